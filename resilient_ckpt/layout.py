@@ -1,0 +1,113 @@
+"""Names on storage: step directories, manifests, chunk objects, temporaries.
+
+Pure string functions, shared by every storage backend. A tier's root holds
+one directory (or prefix) per step, named as Orbax names them (`<step>`, or
+`<prefix>_<step>`, optionally zero-padded); inside it, one object per chunk and
+one manifest per writing process, `manifest.<i>-of-<n>.json`, the commit record.
+Temporaries and in-progress markers carry the writer's host, pid and process
+start time, so a cleaner can tell a dead writer's leftovers from a live save.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import uuid
+
+_MANIFEST_RE = re.compile(r"^manifest\.(\d+)-of-(\d+)\.json$")
+_TMP_RE = re.compile(r"\.tmp\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)\.[0-9a-f]+$")
+_MARKER_RE = re.compile(r"^\.writing\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepNaming:
+    """Orbax's step directory naming: `step_prefix` and `step_format_fixed_length`."""
+
+    prefix: str | None = None
+    fixed_length: int | None = None
+
+    def name(self, step: int) -> str:
+        s = str(step).zfill(self.fixed_length) if self.fixed_length else str(step)
+        return f"{self.prefix}_{s}" if self.prefix else s
+
+    def parse(self, name: str) -> int | None:
+        """The step a directory name stands for, or None if it is not a step."""
+        if self.prefix:
+            head, sep, s = name.rpartition("_")
+            if not sep or head != self.prefix:
+                return None
+        else:
+            s = name
+        if not s.isdigit() or not s.isascii():
+            return None
+        if self.fixed_length and len(s) < self.fixed_length:
+            return None
+        step = int(s)
+        return step if self.name(step) == name else None
+
+
+def manifest_name(process_index: int, process_count: int) -> str:
+    return f"manifest.{process_index}-of-{process_count}.json"
+
+
+def parse_manifest_name(name: str) -> tuple[int, int] | None:
+    m = _MANIFEST_RE.match(name)
+    if not m:
+        return None
+    i, n = int(m.group(1)), int(m.group(2))
+    return (i, n) if i < n else None
+
+
+def chunk_key(item_index: int, leaf_index: int, offsets: tuple[int, ...]) -> str:
+    return f"c{item_index}.{leaf_index}." + ("_".join(map(str, offsets)) or "s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Writer:
+    """Who writes: enough to decide later whether that writer still lives."""
+
+    host: str
+    pid: int
+    start: int  # process start time in clock ticks since boot (/proc/PID/stat)
+
+    @staticmethod
+    def me() -> "Writer":
+        return Writer(_host(), os.getpid(), process_start_time(os.getpid()) or 0)
+
+    def tmp_name(self, final: str) -> str:
+        return f".{final}.tmp.{self.host}.{self.pid}.{self.start}.{uuid.uuid4().hex[:8]}"
+
+    def marker_name(self) -> str:
+        return f".writing.{self.host}.{self.pid}.{self.start}"
+
+    def alive(self) -> bool | None:
+        """True/False for a writer on this host; None when it is elsewhere."""
+        if self.host != _host():
+            return None
+        return process_start_time(self.pid) == self.start
+
+
+def parse_tmp_name(name: str) -> Writer | None:
+    m = _TMP_RE.search(name)
+    return Writer(m["host"], int(m["pid"]), int(m["start"])) if m else None
+
+
+def parse_marker_name(name: str) -> Writer | None:
+    m = _MARKER_RE.match(name)
+    return Writer(m["host"], int(m["pid"]), int(m["start"])) if m else None
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a live process, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces, so split after ')'.
+    return int(stat.rsplit(b")", 1)[1].split()[19])

@@ -1,0 +1,657 @@
+"""The Orbax-compatible CheckpointManager, orchestrating tiers asynchronously.
+
+`save` takes the host snapshot (the only blocking part), then hands it to one
+worker thread per due tier; each writes and commits the step, applies that
+tier's retention, and gives the snapshot back when the last tier is done.
+`restore` selects the newest viable step across every tier, reads each chunk
+from the fastest intact copy, and falls back to an older step when asked for
+"the latest" and the newest turns out corrupt. Background failures are raised
+once, by the next `save`, `wait_until_finished`, `check_for_errors` or `close`.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any, Callable, Container
+
+import jax
+from etils import epath
+
+from . import args as args_lib, commit, layout, retention, selection, snapshot
+from .errors import (CorruptCheckpointError, SaveFailedError, StepAlreadyExistsError,
+                     StepNotFoundError, TargetMismatchError)
+from .pytree import build_nested, flatten, match_target, unflatten
+from .restore import ChunkReader, RestoreRecord, restore_leaves, target_for
+from .tiers import LocalTier, RamTier
+
+log = logging.getLogger("resilient_ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointManagerOptions:
+    """Orbax's common options, plus `tiers` and the host-memory budget.
+
+    With no `tiers`, the directory is one local tier saving every
+    `save_interval_steps` and keeping `max_to_keep`, exactly as in Orbax.
+    `host_memory_budget`: bytes of snapshots in flight (default: two states);
+    when a save would exceed it, `over_budget="wait"` blocks until an older
+    snapshot is written, `"skip"` leaves busy tiers out of this step.
+    """
+
+    save_interval_steps: int = 1
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    best_fn: Callable[[Any], float] | None = None
+    best_mode: str = "max"
+    keep_checkpoints_without_metrics: bool = True
+    step_prefix: str | None = None
+    step_format_fixed_length: int | None = None
+    create: bool = True
+    cleanup_tmp_directories: bool = True
+    save_on_steps: Container[int] | None = None
+    should_save_fn: Callable[[int, int | None], bool] | None = None
+    read_only: bool = False
+    enable_async_checkpointing: bool = True
+    tiers: tuple = ()
+    host_memory_budget: int | None = None
+    over_budget: str = "wait"
+    io_threads: int = 8
+
+    def __post_init__(self):
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.max_to_keep is not None and self.max_to_keep < 0:
+            raise ValueError("max_to_keep must be None or non-negative")
+        if self.over_budget not in ("wait", "skip"):
+            raise ValueError(f"over_budget must be 'wait' or 'skip', got {self.over_budget!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+
+    @staticmethod
+    def from_any(options: Any) -> "CheckpointManagerOptions":
+        """Ours as given, or Orbax's CheckpointManagerOptions field by field."""
+        if options is None:
+            return CheckpointManagerOptions()
+        if isinstance(options, CheckpointManagerOptions):
+            return options
+        names = {f.name for f in dataclasses.fields(CheckpointManagerOptions)}
+        kw = {n: getattr(options, n) for n in names if hasattr(options, n)}
+        pp = getattr(options, "preservation_policy", None)
+        if pp is not None and type(pp).__name__ == "LatestN":
+            kw["max_to_keep"] = pp.n
+        return CheckpointManagerOptions(**kw)
+
+
+@dataclasses.dataclass
+class SaveRecord:
+    """What one save did: blocking time, bytes, and each tier's outcome."""
+
+    step: int
+    blocking_s: float = 0.0
+    snapshot_s: float = 0.0
+    waited_s: float = 0.0
+    bytes: int = 0
+    tiers: dict = dataclasses.field(default_factory=dict)  # name -> TierWrite | str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    step: int
+    item_metadata: Any
+    metrics: Any
+    custom_metadata: Any
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RootMetadata:
+    custom_metadata: Any = None
+
+
+@dataclasses.dataclass
+class _Tier:
+    name: str
+    every: int
+    keep: int | None
+    storage: Any
+    worker: cf.ThreadPoolExecutor
+
+
+class CheckpointManager:
+    """Drop-in for orbax.checkpoint.CheckpointManager, with tiers."""
+
+    def __init__(self, directory: str | os.PathLike, checkpointers: Any = None,
+                 options: Any = None, metadata: Any = None, item_names: Any = None,
+                 item_handlers: Any = None, logger: Any = None, handler_registry: Any = None):
+        del checkpointers, metadata, item_names, item_handlers, logger, handler_registry
+        self._options = o = CheckpointManagerOptions.from_any(options)
+        self._directory = epath.Path(directory)
+        if str(self._directory).startswith("gs://"):
+            raise ValueError(f"{directory}: gs:// directories need the GCS tier, which "
+                             "this version does not have yet")
+        if not o.create and not os.path.isdir(directory) and not o.read_only:
+            raise FileNotFoundError(f"{directory} does not exist and options.create=False")
+        self._naming = layout.StepNaming(o.step_prefix, o.step_format_fixed_length)
+        self._tiers = self._open_tiers(o, str(directory))
+        self._io = cf.ThreadPoolExecutor(o.io_threads, thread_name_prefix="rc-io")
+        self._copy = cf.ThreadPoolExecutor(2, thread_name_prefix="rc-copy")
+        self._pool = snapshot.HostPool()
+        self._lock = threading.Condition()
+        self._held = 0
+        self._pending: dict[int, dict[str, cf.Future]] = {}
+        self._errors: list[BaseException] = []
+        self._bad: set = set()
+        self._obs: dict[str, dict] = {}
+        self._viable_cache: dict | None = None
+        self._local_info: dict[int, tuple[float, Any]] = {}
+        self.save_records: collections.deque = collections.deque(maxlen=256)
+        self.restore_records: collections.deque = collections.deque(maxlen=64)
+        self.reload()
+        self._cleanup = None
+        if o.cleanup_tmp_directories and not o.read_only:
+            self._cleanup = threading.Thread(target=self._clean, name="rc-cleanup", daemon=True)
+            self._cleanup.start()
+
+    # ------------------------------------------------------------ setup
+
+    def _open_tiers(self, o: CheckpointManagerOptions, directory: str) -> list[_Tier]:
+        configs = list(o.tiers) or [LocalTier()]
+        order = {"ram": 0, "local": 1, "gcs": 2}
+        configs.sort(key=lambda t: order.get(t.kind, 9))
+        tiers, names = [], collections.Counter()
+        for t in configs:
+            name = t.kind if not names[t.kind] else f"{t.kind}{names[t.kind]}"
+            names[t.kind] += 1
+            every = t.every if t.every is not None else o.save_interval_steps
+            keep = t.keep if (t.keep is not None or isinstance(t, RamTier)) else o.max_to_keep
+            storage = t.open(directory, o.create and not o.read_only)
+            tiers.append(_Tier(name, every, keep, storage,
+                               cf.ThreadPoolExecutor(1, thread_name_prefix=f"rc-{name}")))
+        return tiers
+
+    def _clean(self) -> None:
+        for t in self._tiers:
+            try:
+                removed = commit.cleanup(t.storage, self._naming)
+                if removed:
+                    log.info("cleaned %d leftovers of dead saves in %s", len(removed), t.storage.url)
+            except OSError as e:
+                log.warning("cleanup of %s failed: %s", t.storage.url, e)
+
+    # ------------------------------------------------------------ what exists
+
+    @property
+    def directory(self) -> epath.Path:
+        return self._directory
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    def reload(self) -> None:
+        """Re-reads every tier (steps written by other processes appear)."""
+        obs = {t.name: commit.observe(t.storage, t.name, self._naming) for t in self._tiers}
+        with self._lock:
+            self._obs = obs
+            self._viable_cache = None
+
+    def _observations(self) -> dict[int, list]:
+        merged: dict[int, list] = collections.defaultdict(list)
+        for tier in self._tiers:
+            for step, ts in self._obs.get(tier.name, {}).items():
+                merged[step].append(ts)
+        return merged
+
+    def _viable(self) -> dict[int, selection.Choice]:
+        with self._lock:
+            if self._viable_cache is None:
+                self._viable_cache = selection.viable(
+                    self._observations(), self.tier_names, frozenset(self._bad))
+            return self._viable_cache
+
+    def all_steps(self, read: bool = False) -> list[int]:
+        """Committed viable steps and steps whose save is still in flight."""
+        if read:
+            self.reload()
+        with self._lock:
+            pending = set(self._pending)
+        return sorted(set(self._viable()) | pending)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _metrics_of(self, step: int) -> Any:
+        c = self._viable().get(step)
+        if c is not None:
+            return c.manifest.metrics
+        return self._local_info.get(step, (0.0, None))[1]
+
+    def metrics(self, step: int) -> Any:
+        return self._metrics_of(step)
+
+    def best_step(self) -> int | None:
+        o = self._options
+        if o.best_fn is None:
+            return self.latest_step()
+        scored = [(o.best_fn(m), s) for s in self.all_steps()
+                  if (m := self._metrics_of(s)) is not None]
+        if not scored:
+            return None
+        pick = max if o.best_mode == "max" else min
+        return pick(scored)[1]
+
+    # ------------------------------------------------------------ save policy
+
+    def reached_preemption(self, step: int) -> bool:
+        from orbax.checkpoint import utils as ocp_utils
+        return bool(ocp_utils.reached_preemption(step))
+
+    def _due_tiers(self, step: int) -> list[_Tier]:
+        o = self._options
+        if o.read_only:
+            return []
+        if o.should_save_fn is not None:
+            every = o.should_save_fn(step, self.latest_step())
+            return list(self._tiers) if every or self.reached_preemption(step) else []
+        if (not self.all_steps() or (o.save_on_steps and step in o.save_on_steps)
+                or self.reached_preemption(step)):
+            return list(self._tiers)
+        return [t for t in self._tiers if t.every and step % t.every == 0]
+
+    def should_save(self, step: int) -> bool:
+        latest = self.latest_step()
+        if self._options.read_only or (latest is not None and latest >= step):
+            return False
+        return bool(self._due_tiers(step))
+
+    # ------------------------------------------------------------ save
+
+    def save(self, step: int, items: Any = None, save_kwargs: Any = None,
+             metrics: Any = None, force: bool | None = False, args: Any = None,
+             custom_metadata: dict | None = None) -> bool:
+        """Snapshots the state to host memory and writes it to every due tier in
+        the background. Returns whether a save was started."""
+        del save_kwargs
+        self._raise_errors()
+        if args is None and items is None:
+            raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
+        if args is None:
+            import orbax.checkpoint as ocp
+            args = ocp.args.StandardSave(items)
+        item_list, _ = args_lib.save_items(args)
+        if self._options.read_only:
+            log.warning("%s is read only; save of step %d skipped", self._directory, step)
+            return False
+        if not force and not self.should_save(step):
+            return False
+        if step in self.all_steps():
+            raise StepAlreadyExistsError(
+                f"step {step} already exists in {self._directory}; delete it first "
+                "or save another step")
+        tiers = self._due_tiers(step) if not force else list(self._tiers)
+        rec = SaveRecord(step)
+        t0 = time.perf_counter()
+        save_id = uuid.uuid4().hex
+        records, sources = snapshot.describe_items(item_list, save_id, jax.process_index())
+        need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
+        tiers = self._reserve(need, tiers, rec)
+        if not tiers:
+            rec.blocking_s = time.perf_counter() - t0
+            self.save_records.append(rec)
+            return False
+        try:
+            t1 = time.perf_counter()
+            snap = snapshot.take(step, save_id, records, sources, self._pool, self._copy)
+            rec.snapshot_s = time.perf_counter() - t1
+        except BaseException:
+            self._release(need, None)
+            raise
+        rec.bytes = snap.nbytes
+        header = dict(created=time.time(), process_index=jax.process_index(),
+                      process_count=jax.process_count(), metrics=_jsonable(metrics),
+                      custom_metadata=_jsonable(custom_metadata))
+        with self._lock:
+            self._local_info[step] = (header["created"], header["metrics"])
+            remaining = [len(tiers)]
+            jobs = self._pending.setdefault(step, {})
+            for t in tiers:
+                jobs[t.name] = t.worker.submit(self._write, t, snap, header, rec,
+                                               remaining, need)
+        rec.blocking_s = time.perf_counter() - t0
+        self.save_records.append(rec)
+        if not self._options.enable_async_checkpointing:
+            self.wait_until_finished()
+        return True
+
+    def _reserve(self, need: int, tiers: list[_Tier], rec: SaveRecord) -> list[_Tier]:
+        """Waits for (or, with over_budget="skip", drops busy tiers to fit in) the
+        host-memory budget; returns the tiers this step goes to."""
+        budget = self._options.host_memory_budget or 2 * need
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._held and self._held + need > budget and self._options.over_budget == "skip":
+                busy = {name for jobs in self._pending.values() for name in jobs}
+                for t in tiers:
+                    if t.name in busy:
+                        rec.tiers[t.name] = "skipped: over the host-memory budget while busy"
+                tiers = [t for t in tiers if t.name not in busy]
+                if not tiers:
+                    return []
+            while self._held and self._held + need > budget:
+                self._lock.wait()
+            self._held += need
+        rec.waited_s = time.perf_counter() - t0
+        return tiers
+
+    def _release(self, need: int, snap: snapshot.Snapshot | None) -> None:
+        if snap is not None and snap.slab is not None:
+            self._pool.give(snap.slab)
+        with self._lock:
+            self._held -= need
+            self._lock.notify_all()
+
+    def _write(self, t: _Tier, snap: snapshot.Snapshot, header: dict, rec: SaveRecord,
+               remaining: list, need: int) -> None:
+        try:
+            tw = commit.write_step(t.storage, t.name, self._naming, snap, header, self._io)
+            rec.tiers[t.name] = tw
+            ts = commit.observe_step(t.storage, t.name, self._naming, snap.step)
+            with self._lock:
+                if ts is not None:
+                    self._obs.setdefault(t.name, {})[snap.step] = ts
+                self._viable_cache = None
+            self._apply_retention(t)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            rec.tiers[t.name] = commit.TierWrite(t.name, snap.step, False, 0.0, 0, str(e))
+            err = SaveFailedError(f"save of step {snap.step} to the {t.name} tier "
+                                  f"({t.storage.url}) failed: {e}")
+            err.__cause__ = e
+            log.error("%s", err)
+            with self._lock:
+                self._errors.append(err)
+        finally:
+            with self._lock:
+                jobs = self._pending.get(snap.step, {})
+                jobs.pop(t.name, None)
+                if not jobs:
+                    self._pending.pop(snap.step, None)
+                remaining[0] -= 1
+                last = remaining[0] == 0
+                self._viable_cache = None
+            if last:
+                self._release(need, snap)
+
+    def _apply_retention(self, t: _Tier) -> None:
+        o = self._options
+        with self._lock:
+            steps = sorted(self._obs.get(t.name, {}))
+            pending = set(self._pending)
+        viable = self._viable()
+        newest = max(viable) if viable else None
+        protected = frozenset({newest} if newest is not None else ()) | pending
+        metrics = {s: c.manifest.metrics for s, c in viable.items()}
+        doomed = retention.to_delete(
+            steps, t.keep, keep_period=o.keep_period, best_fn=o.best_fn,
+            best_mode=o.best_mode, metrics=metrics,
+            keep_checkpoints_without_metrics=o.keep_checkpoints_without_metrics,
+            protected=protected)
+        for s in doomed:
+            self._delete_from(t, s)
+
+    def _delete_from(self, t: _Tier, step: int) -> None:
+        with self._lock:
+            self._obs.get(t.name, {}).pop(step, None)
+            self._viable_cache = None
+        commit.delete_step(t.storage, self._naming, step)
+
+    # ------------------------------------------------------------ errors & waiting
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            if len(errors) > 1:
+                log.error("%d more background save failures: %s", len(errors) - 1,
+                          "; ".join(str(e) for e in errors[1:]))
+            raise errors[0]
+
+    def check_for_errors(self) -> None:
+        """Raises the first background save failure not yet raised, once."""
+        self._raise_errors()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every background write has finished; raises failures."""
+        while True:
+            with self._lock:
+                futures = [f for jobs in self._pending.values() for f in jobs.values()]
+            if not futures:
+                break
+            cf.wait(futures)
+        self._raise_errors()
+
+    def is_saving_in_progress(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    def _wait_step(self, step: int) -> None:
+        with self._lock:
+            futures = list(self._pending.get(step, {}).values())
+        cf.wait(futures)
+
+    # ------------------------------------------------------------ delete
+
+    def delete(self, step: int) -> None:
+        if self._options.read_only:
+            log.warning("%s is read only; delete of step %d skipped", self._directory, step)
+            return
+        if step not in self.all_steps():
+            raise StepNotFoundError(f"cannot delete step {step}: it does not exist in "
+                                    f"{self._directory} (steps: {self.all_steps()})")
+        self._wait_step(step)
+        for t in self._tiers:
+            self._delete_from(t, step)
+        self._local_info.pop(step, None)
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, step: int | None = None, items: Any = None, restore_kwargs: Any = None,
+                directory: Any = None, args: Any = None) -> Any:
+        """Restores `step`, or with step=None the newest viable step (falling back
+        to older ones, with a warning, when chunks of the newest are corrupt)."""
+        del restore_kwargs
+        if directory is not None and str(directory) != str(self._directory):
+            other = CheckpointManager(directory, options=dataclasses.replace(
+                self._options, tiers=(), read_only=True, cleanup_tmp_directories=False))
+            try:
+                return other.restore(step, items=items, args=args)
+            finally:
+                other.close()
+        if args is None and items is not None:
+            import orbax.checkpoint as ocp
+            args = ocp.args.StandardRestore(items)
+        requests, is_composite = args_lib.restore_requests(args)
+        if step is not None:
+            self._wait_step(step)
+        else:
+            for s in list(self._pending):
+                self._wait_step(s)
+        while True:
+            choices = self._viable()
+            if step is None:
+                if not choices:
+                    raise StepNotFoundError(f"no viable step in {self._directory} "
+                                            f"(tiers: {self.tier_names})")
+                chosen = choices[max(choices)]
+            elif step not in choices:
+                raise StepNotFoundError(
+                    f"step {step} has no viable copy in any tier of {self._directory}; "
+                    f"viable steps: {sorted(choices)}")
+            else:
+                chosen = choices[step]
+            record = RestoreRecord(chosen.step)
+            try:
+                out = self._restore_choice(chosen, requests, is_composite, record)
+            except CorruptCheckpointError as e:
+                with self._lock:
+                    self._viable_cache = None
+                for msg in record.fallbacks:
+                    log.warning("%s", msg)
+                if step is not None:
+                    raise
+                log.warning("step %d is not restorable (%s); falling back to the next "
+                            "older viable step", chosen.step, e)
+                continue
+            for msg in record.fallbacks:
+                log.warning("%s", msg)
+            self.restore_records.append(record)
+            return out
+
+    @property
+    def last_restore(self) -> RestoreRecord | None:
+        return self.restore_records[-1] if self.restore_records else None
+
+    def _restore_choice(self, chosen: selection.Choice, requests: dict | None,
+                        is_composite: bool, record: RestoreRecord) -> Any:
+        m = chosen.manifest
+        storages = {t.name: t.storage for t in self._tiers}
+        reader = ChunkReader(storages, self._naming, chosen, self._bad, record)
+        names = [it.name for it in m.items]
+        if requests is None:
+            requests = {n: args_lib.RestoreRequest("any") for n in names}
+            is_composite = names != [args_lib.DEFAULT_ITEM]
+        out = {}
+        for name, req in requests.items():
+            if name not in names:
+                raise TargetMismatchError(f"step {chosen.step} has no item {name!r} "
+                                          f"(items: {names})")
+            out[name] = self._restore_item(m.item(name), req, reader, chosen.step)
+        if is_composite:
+            return args_lib.composite(out)
+        return out[args_lib.DEFAULT_ITEM]
+
+    def _restore_item(self, item, req: args_lib.RestoreRequest, reader: ChunkReader,
+                      step: int) -> Any:
+        if item.kind == "json":
+            if req.kind == "pytree":
+                raise TargetMismatchError(f"step {step}: item {item.name!r} was saved "
+                                          "with JsonSave; restore it with JsonRestore")
+            return item.value
+        if req.kind == "json":
+            raise TargetMismatchError(f"step {step}: item {item.name!r} is a pytree; "
+                                      "restore it with StandardRestore or PyTreeRestore")
+        saved_paths = [lf.path for lf in item.leaves]
+        where = f"step {step}, item {item.name!r}"
+        if req.item is None:
+            records = list(item.leaves)
+            targets = [target_for(None, _restore_arg_for(req.restore_args, lf.path))
+                       for lf in records]
+            values = restore_leaves(records, targets, reader)
+            return build_nested(list(zip(saved_paths, values)))
+        pairs, treedef = flatten(req.item)
+        idx = match_target(saved_paths, [p for p, _ in pairs], partial=req.partial,
+                           where=where)
+        records = [item.leaves[i] for i in idx]
+        targets = [target_for(leaf, _restore_arg_for(req.restore_args, p))
+                   for p, leaf in pairs]
+        return unflatten(treedef, restore_leaves(records, targets, reader))
+
+    # ------------------------------------------------------------ metadata
+
+    def item_metadata(self, step: int) -> Any:
+        return self.metadata(step).item_metadata
+
+    def metadata(self, step: int | None = None) -> Any:
+        if step is None:
+            return RootMetadata({})
+        self._wait_step(step)
+        c = self._viable().get(step)
+        if c is None:
+            raise StepNotFoundError(f"step {step} has no viable copy in {self._directory}")
+        m = c.manifest
+        per_item = {it.name: _abstract(it) for it in m.items}
+        item_md = (per_item[args_lib.DEFAULT_ITEM] if list(per_item) == [args_lib.DEFAULT_ITEM]
+                   else args_lib.composite(per_item))
+        return StepMetadata(step, item_md, m.metrics, m.custom_metadata, m.created)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        try:
+            self.wait_until_finished()
+        finally:
+            for t in self._tiers:
+                t.worker.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            self._copy.shutdown(wait=True)
+            self._pool.clear()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _restore_arg_for(restore_args: Any, path) -> Any:
+    """The ArrayRestoreArgs for a leaf, from a tree of them (or one for all)."""
+    if restore_args is None:
+        return None
+    if hasattr(restore_args, "sharding"):
+        return restore_args
+    for p, leaf in flatten(restore_args)[0]:
+        if p == path:
+            return leaf
+    return None
+
+
+def _abstract(item) -> Any:
+    import jax.numpy as jnp
+    from .manifest import decode_scalar
+    from .sharding import rebuild
+    if item.kind == "json":
+        return item.value
+    pairs = []
+    for lf in item.leaves:
+        if lf.kind == "array":
+            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype), sharding=rebuild(lf.sharding))
+        elif lf.kind == "prng_key":
+            v = jax.ShapeDtypeStruct(lf.shape[:-1], jax.random.key(0, impl=lf.key_impl).dtype)
+        elif lf.kind in ("numpy", "numpy_scalar"):
+            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype))
+        elif lf.kind == "scalar":
+            v = decode_scalar(lf.value)
+        else:
+            v = None
+        pairs.append((lf.path, v))
+    return build_nested(pairs)
+
+
+def _jsonable(x: Any) -> Any:
+    """Metrics and metadata as plain JSON values (numpy and jax scalars become
+    Python numbers); raises TypeError naming what cannot be stored."""
+    import json
+    import numpy as np
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): conv(u) for k, u in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [conv(u) for u in v]
+        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+            return np.asarray(v).tolist()
+        return v
+
+    if x is None:
+        return None
+    out = conv(x)
+    try:
+        json.dumps(out, allow_nan=True)
+    except TypeError as e:
+        raise TypeError(f"metrics/custom_metadata must be JSON-serializable: {e}") from None
+    return out

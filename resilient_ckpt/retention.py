@@ -1,0 +1,35 @@
+"""Retention, as a pure function: which of a tier's steps to delete.
+
+Orbax's preservation rules, applied per tier: keep the newest `keep` steps (all
+when None), or with `best_fn` the best `keep` by metric (steps without metrics
+kept when `keep_checkpoints_without_metrics`); also keep every step that is a
+multiple of `keep_period`. Never delete the tier's newest step, nor any step in
+`protected` (the manager passes its newest viable step).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+
+def to_delete(steps: Sequence[int], keep: int | None, *, keep_period: int | None = None,
+              best_fn: Callable[[Any], float] | None = None, best_mode: str = "max",
+              metrics: Mapping[int, Any] | None = None,
+              keep_checkpoints_without_metrics: bool = True,
+              protected: frozenset = frozenset()) -> list[int]:
+    steps = sorted(set(steps))
+    if not steps:
+        return []
+    metrics = metrics or {}
+    kept: set[int] = {steps[-1]} | (set(protected) & set(steps))
+    if keep_period:
+        kept |= {s for s in steps if s % keep_period == 0}
+    if best_fn is None:
+        kept |= set(steps if keep is None else steps[len(steps) - keep:] if keep else [])
+    else:
+        with_m = [s for s in steps if metrics.get(s) is not None]
+        if keep_checkpoints_without_metrics:
+            kept |= {s for s in steps if metrics.get(s) is None}
+        ranked = sorted(with_m, key=lambda s: best_fn(metrics[s]),
+                        reverse=(best_mode == "max"))
+        kept |= set(ranked if keep is None else ranked[:keep])
+    return [s for s in steps if s not in kept]

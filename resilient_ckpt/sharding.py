@@ -1,0 +1,88 @@
+"""Index arithmetic and sharding descriptions.
+
+A chunk or a target shard is a box: per dimension an offset and a size in the
+global array. This module turns jax shard indices into boxes, intersects boxes,
+and writes / rebuilds the JSON description of a jax sharding kept in manifests.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def index_to_box(index: tuple, shape: Sequence[int]) -> Box:
+    """A jax shard index (a tuple of slices) as (offsets, sizes)."""
+    offs, sizes = [], []
+    for i, n in enumerate(shape):
+        s = index[i] if i < len(index) else slice(None)
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {s} is not supported")
+        offs.append(start)
+        sizes.append(max(0, stop - start))
+    return tuple(offs), tuple(sizes)
+
+
+def box_to_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(*box))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    offs, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offs), tuple(sizes)
+
+
+def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
+    """Slices that select `inner` (global coordinates) inside `outer`."""
+    return tuple(slice(io - oo, io - oo + s)
+                 for io, oo, s in zip(inner[0], outer[0], inner[1]))
+
+
+def box_elements(box: Box) -> int:
+    return int(np.prod(box[1], dtype=np.int64))
+
+
+def describe(sharding: jax.sharding.Sharding) -> dict:
+    """A JSON description of a sharding, enough to rebuild it on the same devices."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        return {"type": "named", "axis_names": list(mesh.axis_names),
+                "mesh_shape": list(mesh.devices.shape),
+                "device_ids": [int(d.id) for d in mesh.devices.flat],
+                "spec": spec}
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (d,) = sharding.device_set
+        return {"type": "single_device", "device_id": int(d.id)}
+    return {"type": "other", "device_ids": sorted(int(d.id) for d in sharding.device_set),
+            "repr": repr(sharding)[:200]}
+
+
+def rebuild(desc: dict | None) -> jax.sharding.Sharding | None:
+    """The described sharding on this job's devices, or None when any of its
+    devices is gone (or it cannot be rebuilt) and the caller must choose one."""
+    if not desc:
+        return None
+    by_id = {d.id: d for d in jax.devices()}
+    if desc["type"] == "single_device":
+        d = by_id.get(desc["device_id"])
+        return jax.sharding.SingleDeviceSharding(d) if d is not None else None
+    if desc["type"] == "named":
+        if any(i not in by_id for i in desc["device_ids"]):
+            return None
+        devs = np.array([by_id[i] for i in desc["device_ids"]], dtype=object)
+        mesh = jax.sharding.Mesh(devs.reshape(desc["mesh_shape"]), tuple(desc["axis_names"]))
+        spec = jax.sharding.PartitionSpec(
+            *[tuple(p) if isinstance(p, list) else p for p in desc["spec"]])
+        return jax.sharding.NamedSharding(mesh, spec)
+    return None

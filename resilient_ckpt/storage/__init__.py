@@ -1,0 +1,10 @@
+"""Storage backends: a handful of blocking, thread-safe byte-object operations.
+
+`base.Storage` is the interface; `files.FileStorage` serves the RAM tier (a
+directory under /dev/shm) and the local-disk tier. Backends raise the project's
+own errors (StorageError, StepNotFoundError), never the backend's.
+"""
+from .base import Storage
+from .files import FileStorage
+
+__all__ = ["Storage", "FileStorage"]
