@@ -24,7 +24,7 @@ def to_delete(steps: Sequence[int], keep: int | None, *, keep_period: int | None
     if keep_period:
         kept |= {s for s in steps if s % keep_period == 0}
     if best_fn is None:
-        kept |= set(steps if keep is None else steps[len(steps) - keep:] if keep else [])
+        kept |= set(steps if keep is None else steps[max(0, len(steps) - keep):] if keep else [])
     else:
         with_m = [s for s in steps if metrics.get(s) is not None]
         if keep_checkpoints_without_metrics:

@@ -11,6 +11,7 @@ reported by `restore`, which excludes it and selects again.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Mapping, Sequence
 
 from .manifest import ChunkRecord, ItemRecord, Manifest
@@ -40,35 +41,46 @@ class Choice:
 
 def _candidate(step: int, save_id: str, views: Sequence[TierStep],
                tier_order: Sequence[str], bad: frozenset) -> Choice | None:
-    by_proc: dict[int, Manifest] = {}
-    holders: dict[int, list[str]] = {}
-    counts = set()
-    for ts in views:
+    # Copies of one process's manifest normally agree; where they differ (one
+    # damaged in a way that still parses), each variant is tried on its own, with
+    # only the tiers that hold that variant as sources for its chunks.
+    variants: dict[int, list[tuple[Manifest, list[str]]]] = {}
+    rank = {t: i for i, t in enumerate(tier_order)}
+    for ts in sorted(views, key=lambda v: rank.get(v.tier, 99)):
         for m in ts.manifests:
             if isinstance(m, Manifest) and m.save_id == save_id and m.step == step:
-                by_proc.setdefault(m.process_index, m)
-                holders.setdefault(m.process_index, []).append(ts.tier)
-                counts.add(m.process_count)
-    if len(counts) != 1:
+                vs = variants.setdefault(m.process_index, [])
+                for known, tiers in vs:
+                    if known == m:
+                        tiers.append(ts.tier)
+                        break
+                else:
+                    vs.append((m, [ts.tier]))
+    counts = {m.process_count for vs in variants.values() for m, _ in vs}
+    if len(counts) != 1 or set(variants) != set(range(counts.pop())):
         return None
-    (count,) = counts
-    if set(by_proc) != set(range(count)):
-        return None
-    sizes = {ts.tier: ts.sizes for ts in views}
-    rank = {t: i for i, t in enumerate(tier_order)}
+    procs = sorted(variants)
+    for combo in itertools.product(*(variants[p] for p in procs)):
+        c = _combine(step, save_id, combo, {ts.tier: ts.sizes for ts in views}, rank, bad)
+        if c is not None:
+            return c
+    return None
+
+
+def _combine(step, save_id, combo, sizes, rank, bad) -> Choice | None:
     sources: dict[str, tuple[str, ...]] = {}
     merged: dict[tuple[int, int], list[ChunkRecord]] = {}
-    for p, m in by_proc.items():
+    for m, holders in combo:
         for ii, it in enumerate(m.items):
             for li, leaf in enumerate(it.leaves):
                 merged.setdefault((ii, li), []).extend(leaf.chunks)
                 for c in leaf.chunks:
-                    ok = [t for t in holders[p] if (t, c.key) not in bad
+                    ok = [t for t in holders if (t, c.key) not in bad
                           and sizes[t].get(c.key) == c.stored_nbytes]
                     if not ok:
                         return None
                     sources[c.key] = tuple(sorted(set(ok), key=lambda t: rank.get(t, 99)))
-    base = by_proc[0]
+    base = combo[0][0]
     items = []
     for ii, it in enumerate(base.items):
         leaves = []

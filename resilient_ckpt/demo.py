@@ -1,0 +1,289 @@
+"""A crash-and-resume demo: `python -m resilient_ckpt.demo [--mb 32] [--dir D]`.
+
+This module owns the demo only; it uses the public manager like any user would.
+The parent process runs two children, one after the other, on one directory:
+
+1. `--phase train` trains a small pure-JAX MLP (params and Adam moments written
+   by hand) on 8 CPU devices, a (data=4, model=2) mesh, with a jitted train step
+   that donates the state. It saves every step that a tier wants, to a RAM tier
+   (every 2 steps, keep 2) and a local-disk tier (every 10, keep 2), then
+   SIGKILLs itself after step --crash-at, with a save possibly still in flight.
+2. `--phase resume` opens a new manager on the same directory (so the same
+   /dev/shm path for the RAM tier), restores the latest step onto the same
+   shardings, and trains to --steps; the loss keeps going down, and the steps
+   replayed after the restore reproduce the losses logged before the crash.
+
+Children hand their results to the parent in JSON files in the directory; the
+parent prints a table and, when the directory was its own temporary one, removes
+it and the RAM tier's directory.
+"""
+from __future__ import annotations
+
+import os
+
+# Eight host devices. XLA reads this when the backend starts (first device use),
+# so setting it here, after the package has imported jax, is still in time.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+import argparse
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from .manager import CheckpointManager, CheckpointManagerOptions
+from .tiers import LocalTier, RamTier
+
+TIERS = [RamTier(every=2, keep=2), LocalTier(every=10, keep=2)]
+D = 256          # input and output width of the MLP
+BATCH = 256
+LR = 1e-3
+
+
+# ------------------------------------------------------------------ the model
+
+def hidden_width(mb: float) -> int:
+    """Hidden width giving a state (params + two Adam moments, f32) of ~mb MiB."""
+    n = mb * 2**20 / 12  # parameters: 3 copies of 4 bytes each
+    h = -D + (D * D + n) ** 0.5  # h*h + 2*D*h = n
+    return max(16, int(h) // 16 * 16)
+
+
+def build(mb: float):
+    """(mesh, state shardings, init fn, jitted train step) for a state of ~mb MiB."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        sys.exit(f"the demo needs 8 CPU devices, got {len(devices)}; "
+                 f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
+    import numpy as np
+    mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    h = hidden_width(mb)
+    shapes = {"w1": (D, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, D), "b3": (D,)}
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None),
+             "b2": P(), "w3": P(None, "model"), "b3": P("model")}
+    ns = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    shardings = {"params": ns, "m": ns, "v": ns, "count": NamedSharding(mesh, P())}
+
+    def init():
+        keys = dict(zip(shapes, jax.random.split(jax.random.key(0), len(shapes))))
+        params = {k: (jax.random.normal(keys[k], s) / s[0] ** 0.5 if len(s) == 2
+                      else jnp.zeros(s)) for k, s in shapes.items()}
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return {"params": params, "m": zeros, "v": zeros,
+                "count": jnp.zeros((), jnp.int32)}
+
+    def batch(count):
+        """The batch of step count+1: a function of the step, so a replay matches."""
+        kx = jax.random.fold_in(jax.random.key(1), count)
+        x = jax.random.normal(kx, (BATCH, D))
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None)))
+        teacher = jax.random.normal(jax.random.key(2), (D, D)) / D ** 0.5
+        return x, jnp.sin(2 * x @ teacher)
+
+    def loss_fn(p, x, y):
+        z = jax.nn.gelu(x @ p["w1"] + p["b1"])
+        z = jax.nn.gelu(z @ p["w2"] + p["b2"])
+        return jnp.mean((z @ p["w3"] + p["b3"] - y) ** 2)
+
+    def step(state):
+        x, y = batch(state["count"])
+        loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
+        t = state["count"] + 1
+        b1, b2 = 0.9, 0.999
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], g)
+        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], g)
+        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+        params = jax.tree.map(lambda p, m, v: p - LR * (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
+                              state["params"], m, v)
+        return {"params": params, "m": m, "v": v, "count": t}, loss
+
+    init_fn = jax.jit(init, out_shardings=shardings)
+    train_step = jax.jit(step, donate_argnums=0,
+                         out_shardings=(shardings, NamedSharding(mesh, P())))
+    return mesh, shardings, init_fn, train_step
+
+
+# ------------------------------------------------------------------ the children
+
+def open_manager(directory: str) -> CheckpointManager:
+    return CheckpointManager(directory, options=CheckpointManagerOptions(tiers=TIERS))
+
+
+def train(state, train_step, mngr, first: int, last: int, crash_at: int | None = None,
+          on_crash=None) -> dict:
+    """Steps first..last (a step's number is the count of updates done);
+    returns {step: loss}. With crash_at, calls on_crash after that step."""
+    import orbax.checkpoint as ocp
+    losses = {}
+    for s in range(first, last + 1):
+        state, loss = train_step(state)
+        losses[s] = float(loss)
+        mngr.save(s, args=ocp.args.StandardSave(state), metrics={"loss": losses[s]})
+        if s % 5 == 0 or s in (first, last):
+            print(f"  step {s:3d}  loss {losses[s]:.4f}", flush=True)
+        if s == crash_at:
+            on_crash(losses)
+    return losses
+
+
+def save_summary(mngr: CheckpointManager) -> list[dict]:
+    """Blocking time and each tier's successful write time, per save."""
+    out = []
+    for rec in list(mngr.save_records):
+        tiers = {n: tw.seconds for n, tw in dict(rec.tiers).items() if getattr(tw, "ok", False)}
+        out.append({"step": rec.step, "blocking_s": rec.blocking_s, "tiers": tiers})
+    return out
+
+
+def dump(directory: str, name: str, data: dict) -> None:
+    path = os.path.join(directory, f"demo_{name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def phase_train(a) -> None:
+    _, _, init_fn, train_step = build(a.mb)
+    mngr = open_manager(a.dir)
+    if mngr.all_steps():
+        sys.exit(f"{a.dir} already holds steps {mngr.all_steps()} (in some tier); "
+                 "pass a fresh --dir")
+    state = init_fn()
+
+    def crash(losses):
+        dump(a.dir, "train", {"losses": losses, "saves": save_summary(mngr)})
+        print(f"  step {a.crash_at}: SIGKILL to myself (pid {os.getpid()})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    train(state, train_step, mngr, 1, a.steps, a.crash_at, crash)
+    sys.exit("the train phase was meant to crash")
+
+
+def phase_resume(a) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+    _, shardings, init_fn, train_step = build(a.mb)
+    mngr = open_manager(a.dir)
+    step = mngr.latest_step()
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(init_fn), shardings)
+    t0 = time.perf_counter()
+    state = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    restore_s = time.perf_counter() - t0
+    rec = mngr.last_restore
+    assert int(state["count"]) == step, (int(state["count"]), step)
+    print(f"  restored step {step} in {restore_s * 1e3:.1f} ms "
+          f"from {dict(rec.bytes_by_tier)}", flush=True)
+    losses = train(state, train_step, mngr, step + 1, a.steps)
+    mngr.wait_until_finished()
+    mngr.close()
+    dump(a.dir, "resume", {"restored_step": step, "restore_s": restore_s,
+                           "bytes_by_tier": dict(rec.bytes_by_tier),
+                           "losses": losses, "saves": save_summary(mngr)})
+
+
+# ------------------------------------------------------------------ the parent
+
+def run_child(a, phase: str) -> int:
+    cmd = [sys.executable, "-m", "resilient_ckpt.demo", "--phase", phase, "--dir", a.dir,
+           "--mb", str(a.mb), "--steps", str(a.steps), "--crash-at", str(a.crash_at)]
+    print(f"[{phase}] {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def median_ms(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.1f} ms (median of {len(xs)})" if xs else "-"
+
+
+def report(a, tr: dict, rs: dict) -> bool:
+    """Prints the table; returns whether the resumed run checks out."""
+    saves = tr["saves"] + rs["saves"]
+    pre = {int(k): v for k, v in tr["losses"].items()}
+    post = {int(k): v for k, v in rs["losses"].items()}
+    restored = rs["restored_step"]
+    total = sum(rs["bytes_by_tier"].values()) or 1
+    served = ", ".join(f"{t} {100 * b / total:.0f}%" for t, b in rs["bytes_by_tier"].items())
+    replayed = [s for s in post if s in pre]
+    match = all(abs(pre[s] - post[s]) <= 1e-5 * max(1.0, abs(pre[s])) for s in replayed)
+    down = post[a.steps] < pre[1] and post[a.steps] < pre[a.crash_at]
+    rows = [("state size", f"{a.mb:g} MiB, mesh (data=4, model=2), {a.steps} steps"),
+            ("save, blocking", median_ms([r["blocking_s"] for r in saves]))]
+    for t in sorted({t for r in saves for t in r["tiers"]}, key=["ram", "local"].index):
+        rows.append((f"save, {t} tier write", median_ms(
+            [r["tiers"][t] for r in saves if t in r["tiers"]])))
+    rows += [(f"restore of step {restored}", f"{rs['restore_s'] * 1e3:.1f} ms, from {served}"),
+             ("steps lost", f"{a.crash_at - restored} (crashed after step {a.crash_at}, "
+                            f"restored step {restored})"),
+             ("loss before crash", f"{pre[1]:.4f} (step 1) -> {pre[a.crash_at]:.4f} "
+                                   f"(step {a.crash_at})"),
+             ("loss after resume", f"{post[restored + 1]:.4f} (step {restored + 1}) -> "
+                                   f"{post[a.steps]:.4f} (step {a.steps})"),
+             ("replayed steps", f"{len(replayed)}, losses "
+                                f"{'identical to before the crash' if match else 'DIFFER'}")]
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return match and down
+
+
+def parent(a) -> int:
+    own = a.dir is None
+    a.dir = os.path.abspath(a.dir or tempfile.mkdtemp(prefix="resilient_ckpt_demo_"))
+    ram_root = RamTier().open(a.dir, False).root
+    try:
+        rc = run_child(a, "train")
+        if rc != -signal.SIGKILL:
+            print(f"the train phase exited with {rc}, not by SIGKILL", file=sys.stderr)
+            return 1
+        if run_child(a, "resume") != 0:
+            print("the resume phase failed", file=sys.stderr)
+            return 1
+        results = []
+        for name in ("train", "resume"):
+            with open(os.path.join(a.dir, f"demo_{name}.json")) as f:
+                results.append(json.load(f))
+        ok = report(a, *results)
+        if not ok:
+            print("the resumed run does not check out", file=sys.stderr)
+        return 0 if ok else 1
+    finally:
+        if own:
+            shutil.rmtree(a.dir, ignore_errors=True)
+            shutil.rmtree(ram_root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m resilient_ckpt.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one, "
+                                 "removed at the end with its RAM tier)")
+    p.add_argument("--mb", type=float, default=32, help="state size in MiB (default 32)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument("--crash-at", type=int, default=27,
+                   help="the step after which training is killed (default 27)")
+    p.add_argument("--phase", choices=["train", "resume"], help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if not 1 <= a.crash_at < a.steps:
+        p.error("--crash-at must be in [1, --steps)")
+    if a.phase == "train":
+        phase_train(a)
+    elif a.phase == "resume":
+        phase_resume(a)
+    else:
+        return parent(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Unit and property tests of planning: save de-duplication and restore coverage."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from resilient_ckpt import layout, planner
+from resilient_ckpt.manifest import ChunkRecord
+from resilient_ckpt.sharding import box_to_slices, index_to_box
+
+
+def grid_chunks(shape, splits):
+    """Chunks that tile `shape`, cut at the given split points per dimension."""
+    edges = [sorted({0, n, *[c for c in cuts if 0 < c < n]}) for n, cuts in zip(shape, splits)]
+    out = []
+    for cell in itertools.product(*[list(zip(e[:-1], e[1:])) for e in edges]):
+        offs = tuple(a for a, _ in cell)
+        sizes = tuple(b - a for a, b in cell)
+        n = int(np.prod(sizes)) * 4
+        out.append(ChunkRecord(offs, sizes, layout.chunk_key(0, 0, offs), n, n, 0))
+    return out
+
+
+def test_unique_boxes_keeps_one_copy_of_replicas():
+    a, b = ((0,), (4,)), ((4,), (4,))
+    shards = [(a, 0), (a, 1), (b, 1), (b, 0), (a, 0)]
+    assert planner.unique_boxes(shards) == [a, b]
+
+
+def test_index_to_box():
+    assert index_to_box((slice(2, 4), slice(None)), (8, 3)) == ((2, 0), (2, 3))
+    assert index_to_box((), ()) == ((), ())
+
+
+def test_plan_rejects_gaps_and_overlaps():
+    chunks = grid_chunks((4, 4), [[2], [2]])
+    with pytest.raises(ValueError, match="cover"):
+        planner.plan_target(((0, 0), (4, 4)), chunks[:-1], "leaf x")
+    overlapping = chunks + [ChunkRecord((1, 1), (1, 1), "dup", 4, 4, 0)]
+    assert not planner.chunks_cover((4, 4), overlapping)
+    # an overlap and a gap of equal size must not cancel out
+    shifted = chunks[:-1] + [ChunkRecord((1, 1), (2, 2), "odd", 16, 16, 0)]
+    assert not planner.chunks_cover((4, 4), shifted)
+
+
+dims = st.integers(1, 7)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
+    st.just(tuple(shape)),
+    st.tuples(*[st.lists(st.integers(1, max(1, n - 1)), max_size=3) for n in shape]),
+    st.tuples(*[st.lists(st.integers(1, max(1, n - 1)), max_size=3) for n in shape]))))
+def test_plan_covers_every_target_element_exactly_once(case):
+    shape, save_cuts, target_cuts = case
+    chunks = grid_chunks(shape, save_cuts)
+    assert planner.chunks_cover(shape, chunks)
+    full = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    for t in grid_chunks(shape, target_cuts):
+        box = (t.offsets, t.sizes)
+        plan = planner.plan_target(box, chunks, "leaf")
+        out = np.full(t.sizes, -1, dtype=np.int64)
+        hits = np.zeros(t.sizes, dtype=np.int64)
+        for p in plan.pieces:
+            src = full[box_to_slices((p.chunk.offsets, p.chunk.sizes))]
+            out[p.dst] = src[p.src]
+            hits[p.dst] += 1
+        assert (hits == 1).all()
+        assert np.array_equal(out, full[box_to_slices(box)])
+        assert sum(p.elements for p in plan.pieces) == int(np.prod(t.sizes))
