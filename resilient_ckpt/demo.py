@@ -218,7 +218,7 @@ def report(a, tr: dict, rs: dict) -> bool:
     down = post[a.steps] < pre[1] and post[a.steps] < pre[a.crash_at]
     rows = [("state size", f"{a.mb:g} MiB, mesh (data=4, model=2), {a.steps} steps"),
             ("save, blocking", median_ms([r["blocking_s"] for r in saves]))]
-    for t in sorted({t for r in saves for t in r["tiers"]}, key=["ram", "local"].index):
+    for t in sorted({t for r in saves for t in r["tiers"]}, key=lambda t: (t != "ram", t)):
         rows.append((f"save, {t} tier write", median_ms(
             [r["tiers"][t] for r in saves if t in r["tiers"]])))
     rows += [(f"restore of step {restored}", f"{rs['restore_s'] * 1e3:.1f} ms, from {served}"),

@@ -243,8 +243,9 @@ class CheckpointManager:
                   if (m := self._metrics_of(s)) is not None]
         if not scored:
             return None
-        pick = max if o.best_mode == "max" else min
-        return pick(scored)[1]
+        # As Orbax: the best value; among equal values, the newest step.
+        sign = 1 if o.best_mode == "max" else -1
+        return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
 
     # ------------------------------------------------------------ save policy
 
@@ -489,6 +490,10 @@ class CheckpointManager:
                                             f"(tiers: {self.tier_names})")
                 chosen = choices[max(choices)]
             elif step not in choices:
+                if step in selection.viable(self._observations(), self.tier_names):
+                    raise CorruptCheckpointError(
+                        f"step {step} in {self._directory} failed checksum verification "
+                        f"in every tier; restore an older step (viable: {sorted(choices)})")
                 raise StepNotFoundError(
                     f"step {step} has no viable copy in any tier of {self._directory}; "
                     f"viable steps: {sorted(choices)}")

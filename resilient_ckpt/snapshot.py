@@ -134,7 +134,8 @@ def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_inde
                     key = f"{save_id[:8]}." + layout.chunk_key(ii, li, box[0])
                     sources.append((ii, li, box, key, shards[(box, 0)].data))
             elif k in ("numpy", "numpy_scalar"):
-                arr = np.ascontiguousarray(leaf)
+                # ascontiguousarray makes 0-d arrays 1-d; keep the leaf's own shape.
+                arr = np.ascontiguousarray(leaf).reshape(np.shape(leaf))
                 leaves.append(LeafRecord(path, k, tuple(arr.shape), _dtype_name(arr.dtype)))
                 if process_index == 0:
                     box = (tuple(0 for _ in arr.shape), tuple(arr.shape))

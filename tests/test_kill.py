@@ -1,0 +1,215 @@
+"""SIGKILL at random moments of a stream of saves never loses a committed step.
+
+A child process (tests/_saver.py) saves deterministic steps to a RamTier and a
+LocalTier; the parent kills it with SIGKILL after a random delay, then opens a
+fresh manager on the same directories and checks that
+  * a step is selected whenever one was ever reported committed, and it is no
+    older than the newest reported one;
+  * every viable step restores bit-exact to that step's deterministic state,
+    with no chunk falling back to another copy;
+  * the fresh manager's background cleanup removes the dead child's
+    temporaries, in-progress markers and uncommitted step directories, and
+    never touches a step directory that holds a manifest.
+One pair of directories is reused across all trials, so later children start
+on top of older steps and of whatever the previous kill left behind; every
+other trial skips the parent's cleanup so the next child's own cleanup has to
+deal with the leftovers while it saves.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import resilient_ckpt as rc
+from resilient_ckpt import layout
+
+import _saver
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRIALS = 36
+
+
+@pytest.fixture
+def dirs():
+    ram = tempfile.mkdtemp(prefix="rc-kill-", dir="/dev/shm")
+    local = tempfile.mkdtemp(prefix="rc-kill-")
+    yield ram, local
+    shutil.rmtree(ram, ignore_errors=True)
+    shutil.rmtree(local, ignore_errors=True)
+
+
+class Child:
+    """One _saver.py process, started early; its stdout is read by a thread."""
+
+    def __init__(self, ram: str, local: str):
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                   JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "_saver.py"), ram, local],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env)
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append(line.strip())
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append("<eof>")
+            self.cond.notify_all()
+
+    def wait_for(self, prefix: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                hit = [ln for ln in self.lines if ln.startswith(prefix)]
+                if hit:
+                    return hit[0]
+                if "<eof>" in self.lines:
+                    raise AssertionError(f"child exited before {prefix!r}: "
+                                         f"{self.proc.stderr.read()[-3000:]}")
+                left = deadline - time.monotonic()
+                assert left > 0, f"child did not print {prefix!r} in {timeout} s"
+                self.cond.wait(left)
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> list[int]:
+        """SIGKILLs this child (only its pid), reaps it, returns the steps it
+        reported committed."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()  # reaped: a zombie would still look alive to cleaners
+        self.reader.join(10)
+        self.proc.stdin.close()
+        self.proc.stderr.close()
+        return [int(ln.split()[1]) for ln in self.lines if ln.startswith("committed ")]
+
+
+def _leftovers(root: str) -> list[str]:
+    """Temporaries and in-progress markers anywhere in a tier."""
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for n in files:
+            if layout.parse_tmp_name(n) or layout.parse_marker_name(n):
+                out.append(os.path.join(dirpath, n))
+    return out
+
+
+def _step_dirs(root: str) -> dict[int, set[str]]:
+    """Step -> names of its committed files (chunks and manifests), for the step
+    directories that hold a manifest."""
+    out = {}
+    for name in os.listdir(root):
+        if not name.isdigit():
+            continue
+        files = set(os.listdir(os.path.join(root, name)))
+        if any(layout.parse_manifest_name(n) for n in files):
+            out[int(name)] = {n for n in files
+                              if not (layout.parse_tmp_name(n) or layout.parse_marker_name(n))}
+    return out
+
+
+def _check_exact(restored: dict, step: int) -> None:
+    want = _saver.make_state(step)
+    assert restored["n"] == step
+    for k in ("w", "v", "b"):
+        got = np.asarray(restored[k])
+        assert got.dtype == want[k].dtype and got.shape == want[k].shape, k
+        assert got.tobytes() == want[k].tobytes(), f"step {step}, leaf {k} differs"
+
+
+def _abstract():
+    sh = _saver.shardings()
+    out = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sh[k])
+           for k, (shape, dtype) in _saver.SHAPES.items()}
+    out["n"] = 0
+    return out
+
+
+def _open(ram: str, local: str, cleanup: bool) -> rc.CheckpointManager:
+    return rc.CheckpointManager(local, options=rc.CheckpointManagerOptions(
+        tiers=_saver.tiers(ram, local), cleanup_tmp_directories=cleanup))
+
+
+def test_sigkill_at_random_moments_never_loses_a_committed_step(dirs):
+    import orbax.checkpoint as ocp
+
+    ram, local = dirs
+    rng = random.Random(20240229)
+    newest_committed = None
+    kills_with_leftovers = 0
+    restored_steps = set()
+    t0 = time.monotonic()
+    nxt = Child(ram, local)
+    for trial in range(TRIALS):
+        child = nxt
+        child.wait_for("imported")
+        child.go()
+        child.wait_for("ready")
+        # Kill anywhere from opening the manager to several saves in.
+        time.sleep(rng.choice([0.0, 0.02, rng.uniform(0, 0.15), rng.uniform(0, 0.8),
+                               rng.uniform(0, 0.8)]))
+        committed = child.kill()
+        if trial + 1 < TRIALS:
+            nxt = Child(ram, local)  # imports while this trial is checked
+        if committed:
+            newest_committed = max(committed + [newest_committed or -1])
+
+        before = {root: _step_dirs(root) for root in (ram, local)}
+        had_leftovers = any(_leftovers(root) for root in (ram, local))
+        kills_with_leftovers += had_leftovers
+        cleanup = trial % 2 == 0 or trial == TRIALS - 1
+        mngr = _open(ram, local, cleanup)
+        try:
+            if cleanup:
+                mngr._cleanup.join(30)
+                assert not mngr._cleanup.is_alive()
+                for root in (ram, local):
+                    assert _leftovers(root) == [], f"trial {trial}: dead leftovers remain"
+                    for name in os.listdir(root):  # no uncommitted step directory
+                        assert not name.isdigit() or int(name) in before[root], name
+            for root in (ram, local):  # cleanup never removes committed files
+                after = _step_dirs(root)
+                for step, files in before[root].items():
+                    assert step in after and files <= after[step], \
+                        f"trial {trial}: committed step {step} in {root} was altered"
+
+            latest = mngr.latest_step()
+            if newest_committed is not None:
+                assert latest is not None and latest >= newest_committed, \
+                    f"trial {trial}: latest {latest}, newest committed {newest_committed}"
+            for step in mngr.all_steps():
+                out = mngr.restore(step, args=ocp.args.StandardRestore(_abstract()))
+                _check_exact(out, step)
+                assert mngr.last_restore.fallbacks == []
+                restored_steps.add(step)
+            if latest is not None:
+                _check_exact(mngr.restore(), latest)  # latest, as a restarted job does
+        finally:
+            mngr.close()
+    elapsed = time.monotonic() - t0
+    print(f"{TRIALS} kills in {elapsed:.1f} s; newest committed step {newest_committed}; "
+          f"{kills_with_leftovers} left temporaries or markers; "
+          f"{len(restored_steps)} distinct steps restored")
+    assert newest_committed is not None and newest_committed >= 10
+    assert kills_with_leftovers > 0, "no kill landed inside a write; tune the delays"
