@@ -10,6 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
+from .errors import UnsupportedArgsError
+
 DEFAULT_ITEM = "default"
 _PYTREE_SAVE = ("StandardSave", "PyTreeSave")
 _PYTREE_RESTORE = ("StandardRestore", "PyTreeRestore")
@@ -54,8 +56,8 @@ def _save_item(name: str, a: Any) -> tuple[str, str, Any]:
             raise TypeError(f"item {name!r}: JsonSave needs JSON-serializable data "
                             f"({e})") from None
         return (name, "json", a.item)
-    raise TypeError(f"item {name!r}: unsupported save args {_name(a)}; use "
-                    "StandardSave, PyTreeSave or JsonSave")
+    raise UnsupportedArgsError(f"item {name!r}: unsupported save args {_name(a)}; use "
+                               "StandardSave, PyTreeSave or JsonSave")
 
 
 def restore_requests(args: Any) -> tuple[dict[str, RestoreRequest] | None, bool]:
@@ -76,8 +78,8 @@ def _restore_item(a: Any) -> RestoreRequest:
                               bool(getattr(a, "partial_restore", False)))
     if _name(a) == "JsonRestore":
         return RestoreRequest("json")
-    raise TypeError(f"unsupported restore args {_name(a)}; use StandardRestore, "
-                    "PyTreeRestore or JsonRestore")
+    raise UnsupportedArgsError(f"unsupported restore args {_name(a)}; use StandardRestore, "
+                               "PyTreeRestore or JsonRestore")
 
 
 def composite(values: dict[str, Any]) -> Any:

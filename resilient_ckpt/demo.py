@@ -88,7 +88,7 @@ def build(mb: float):
         x = jax.random.normal(kx, (BATCH, D))
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None)))
         teacher = jax.random.normal(jax.random.key(2), (D, D)) / D ** 0.5
-        return x, jnp.sin(2 * x @ teacher)
+        return x, jnp.tanh(x @ teacher)
 
     def loss_fn(p, x, y):
         z = jax.nn.gelu(x @ p["w1"] + p["b1"])
@@ -175,6 +175,8 @@ def phase_resume(a) -> None:
     _, shardings, init_fn, train_step = build(a.mb)
     mngr = open_manager(a.dir)
     step = mngr.latest_step()
+    if step is None:
+        sys.exit(f"no step of {a.dir} survived the crash; try a later --crash-at")
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             jax.eval_shape(init_fn), shardings)
     t0 = time.perf_counter()

@@ -32,6 +32,14 @@ class TargetMismatchError(CheckpointError, ValueError):
     """The restore target disagrees with the checkpoint (structure, shape, dtype)."""
 
 
+class ItemNotFoundError(TargetMismatchError, KeyError):
+    """A Composite restore names an item the step lacks (Orbax raises KeyError)."""
+
+
+class UnsupportedArgsError(CheckpointError, TypeError, ValueError):
+    """`args` is not a supported Orbax CheckpointArgs (Orbax raises ValueError)."""
+
+
 class StorageError(CheckpointError, OSError):
     """A storage backend failed to read, write, list or delete."""
 

@@ -24,8 +24,8 @@ import jax
 from etils import epath
 
 from . import args as args_lib, commit, layout, retention, selection, snapshot
-from .errors import (CorruptCheckpointError, SaveFailedError, StepAlreadyExistsError,
-                     StepNotFoundError, TargetMismatchError)
+from .errors import (CorruptCheckpointError, ItemNotFoundError, SaveFailedError,
+                     StepAlreadyExistsError, StepNotFoundError, TargetMismatchError)
 from .pytree import build_nested, flatten, match_target, unflatten
 from .restore import ChunkReader, RestoreRecord, restore_leaves, target_for
 from .tiers import LocalTier, RamTier
@@ -243,9 +243,10 @@ class CheckpointManager:
                   if (m := self._metrics_of(s)) is not None]
         if not scored:
             return None
-        # As Orbax: the best value; among equal values, the newest step.
-        sign = 1 if o.best_mode == "max" else -1
-        return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
+        # As Orbax: sort worst to best (stable, so among equal values the newer
+        # step sorts later) and take the last.
+        ranked = sorted(scored, key=lambda vs: vs[0], reverse=(o.best_mode == "min"))
+        return ranked[-1][1]
 
     # ------------------------------------------------------------ save policy
 
@@ -533,8 +534,8 @@ class CheckpointManager:
         out = {}
         for name, req in requests.items():
             if name not in names:
-                raise TargetMismatchError(f"step {chosen.step} has no item {name!r} "
-                                          f"(items: {names})")
+                raise ItemNotFoundError(f"step {chosen.step} has no item {name!r} "
+                                        f"(items: {names})")
             out[name] = self._restore_item(m.item(name), req, reader, chosen.step)
         if is_composite:
             return args_lib.composite(out)
@@ -582,7 +583,9 @@ class CheckpointManager:
         per_item = {it.name: _abstract(it) for it in m.items}
         item_md = (per_item[args_lib.DEFAULT_ITEM] if list(per_item) == [args_lib.DEFAULT_ITEM]
                    else args_lib.composite(per_item))
-        return StepMetadata(step, item_md, m.metrics, m.custom_metadata, m.created)
+        # Orbax's StepMetadata gives {} (not None) when there are none.
+        return StepMetadata(step, item_md, {} if m.metrics is None else m.metrics,
+                            {} if m.custom_metadata is None else m.custom_metadata, m.created)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -25,11 +25,14 @@ def to_delete(steps: Sequence[int], keep: int | None, *, keep_period: int | None
         kept |= {s for s in steps if s % keep_period == 0}
     if best_fn is None:
         kept |= set(steps if keep is None else steps[max(0, len(steps) - keep):] if keep else [])
+    elif keep is None or len(steps) <= keep:
+        kept |= set(steps)  # as Orbax's BestN: nothing goes until there are more than `keep`
     else:
         with_m = [s for s in steps if metrics.get(s) is not None]
         if keep_checkpoints_without_metrics:
             kept |= {s for s in steps if metrics.get(s) is None}
+        # Worst to best, stable: among equal metrics the newer step ranks better (as Orbax).
         ranked = sorted(with_m, key=lambda s: best_fn(metrics[s]),
-                        reverse=(best_mode == "max"))
-        kept |= set(ranked if keep is None else ranked[:keep])
+                        reverse=(best_mode == "min"))
+        kept |= set(ranked[-keep:] if keep else [])
     return [s for s in steps if s not in kept]

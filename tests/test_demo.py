@@ -1,0 +1,18 @@
+"""The demo end to end, small: a child trains, SIGKILLs itself, another resumes."""
+import os
+import subprocess
+import sys
+
+
+def test_demo_crash_and_resume():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "resilient_ckpt.demo", "--mb", "1", "--steps", "12",
+         "--crash-at", "7"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for row in ("save, blocking", "save, ram tier write", "restore of step",
+                "steps lost", "loss after resume", "identical to before the crash"):
+        assert row in out.stdout, out.stdout
+    assert "from ram 100%" in out.stdout, out.stdout
