@@ -41,7 +41,9 @@ class CheckpointManagerOptions:
     `save_interval_steps` and keeping `max_to_keep`, exactly as in Orbax.
     `host_memory_budget`: bytes of snapshots in flight (default: two states);
     when a save would exceed it, `over_budget="wait"` blocks until an older
-    snapshot is written, `"skip"` leaves busy tiers out of this step.
+    snapshot is written; `"skip"` first cancels the queued, not yet started
+    writes of older steps (the newer step supersedes them; recorded in their
+    SaveRecord), and waits only if that frees too little.
     """
 
     save_interval_steps: int = 1
@@ -114,6 +116,16 @@ class RootMetadata:
 
 
 @dataclasses.dataclass
+class _Flight:
+    """A snapshot on its way to its tiers; its memory is freed by the last one."""
+
+    snap: snapshot.Snapshot
+    need: int
+    rec: SaveRecord
+    remaining: int
+
+
+@dataclasses.dataclass
 class _Tier:
     name: str
     every: int
@@ -144,6 +156,7 @@ class CheckpointManager:
         self._lock = threading.Condition()
         self._held = 0
         self._pending: dict[int, dict[str, cf.Future]] = {}
+        self._flights: dict[int, _Flight] = {}
         self._errors: list[BaseException] = []
         self._bad: set = set()
         self._obs: dict[str, dict] = {}
@@ -302,64 +315,81 @@ class CheckpointManager:
         save_id = uuid.uuid4().hex
         records, sources = snapshot.describe_items(item_list, save_id, jax.process_index())
         need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
-        tiers = self._reserve(need, tiers, rec)
-        if not tiers:
-            rec.blocking_s = time.perf_counter() - t0
-            self.save_records.append(rec)
-            return False
+        self._reserve(need, rec)
         try:
             t1 = time.perf_counter()
             snap = snapshot.take(step, save_id, records, sources, self._pool, self._copy)
             rec.snapshot_s = time.perf_counter() - t1
         except BaseException:
-            self._release(need, None)
+            with self._lock:
+                self._held -= need
+                self._lock.notify_all()
             raise
         rec.bytes = snap.nbytes
         header = dict(created=time.time(), process_index=jax.process_index(),
                       process_count=jax.process_count(), metrics=_jsonable(metrics),
                       custom_metadata=_jsonable(custom_metadata))
+        flight = _Flight(snap, need, rec, len(tiers))
         with self._lock:
             self._local_info[step] = (header["created"], header["metrics"])
-            remaining = [len(tiers)]
             jobs = self._pending.setdefault(step, {})
             for t in tiers:
-                jobs[t.name] = t.worker.submit(self._write, t, snap, header, rec,
-                                               remaining, need)
+                jobs[t.name] = t.worker.submit(self._write, t, flight, header)
+            self._flights[step] = flight
         rec.blocking_s = time.perf_counter() - t0
         self.save_records.append(rec)
         if not self._options.enable_async_checkpointing:
             self.wait_until_finished()
         return True
 
-    def _reserve(self, need: int, tiers: list[_Tier], rec: SaveRecord) -> list[_Tier]:
-        """Waits for (or, with over_budget="skip", drops busy tiers to fit in) the
-        host-memory budget; returns the tiers this step goes to."""
+    def _reserve(self, need: int, rec: SaveRecord) -> None:
+        """Holds `need` bytes of the host-memory budget. Over budget, "wait"
+        blocks until older snapshots are written; "skip" first drops the queued
+        (not started) writes of older steps that this newer step supersedes."""
         budget = self._options.host_memory_budget or 2 * need
         t0 = time.perf_counter()
         with self._lock:
-            if self._held and self._held + need > budget and self._options.over_budget == "skip":
-                busy = {name for jobs in self._pending.values() for name in jobs}
-                for t in tiers:
-                    if t.name in busy:
-                        rec.tiers[t.name] = "skipped: over the host-memory budget while busy"
-                tiers = [t for t in tiers if t.name not in busy]
-                if not tiers:
-                    return []
             while self._held and self._held + need > budget:
+                if self._options.over_budget == "skip" and self._shed(rec.step):
+                    continue
                 self._lock.wait()
             self._held += need
         rec.waited_s = time.perf_counter() - t0
-        return tiers
 
-    def _release(self, need: int, snap: snapshot.Snapshot | None) -> None:
-        if snap is not None and snap.slab is not None:
-            self._pool.give(snap.slab)
-        with self._lock:
-            self._held -= need
+    def _shed(self, newer: int) -> bool:
+        """Cancels the oldest queued tier write; True if one was. Holds the lock."""
+        busy = {name for jobs in self._pending.values()
+                for name, fut in jobs.items() if fut.running()}
+        for step in sorted(self._pending):
+            for name, fut in list(self._pending[step].items()):
+                if name in busy and fut.cancel():  # queued behind a slow write
+                    flight = self._flights[step]
+                    flight.rec.tiers[name] = (f"skipped: superseded by step {newer} "
+                                              "(host-memory budget)")
+                    log.warning("step %d not written to the %s tier: superseded by step %d "
+                                "under the host-memory budget", step, name, newer)
+                    self._job_done(name, flight)
+                    return True
+        return False
+
+    def _job_done(self, name: str, flight: "_Flight") -> None:
+        """Bookkeeping when one tier is done with a snapshot. Holds the lock."""
+        step = flight.snap.step
+        jobs = self._pending.get(step, {})
+        jobs.pop(name, None)
+        if not jobs:
+            self._pending.pop(step, None)
+        self._viable_cache = None
+        flight.remaining -= 1
+        if flight.remaining == 0:
+            self._flights.pop(step, None)
+            if flight.snap.slab is not None:
+                self._pool.give(flight.snap.slab)
+            self._held -= flight.need
             self._lock.notify_all()
 
-    def _write(self, t: _Tier, snap: snapshot.Snapshot, header: dict, rec: SaveRecord,
-               remaining: list, need: int) -> None:
+    def _write(self, t: _Tier, flight: "_Flight", header: dict) -> None:
+        snap, rec = flight.snap, flight.rec
         try:
             tw = commit.write_step(t.storage, t.name, self._naming, snap, header, self._io)
             rec.tiers[t.name] = tw
@@ -379,15 +409,7 @@ class CheckpointManager:
                 self._errors.append(err)
         finally:
             with self._lock:
-                jobs = self._pending.get(snap.step, {})
-                jobs.pop(t.name, None)
-                if not jobs:
-                    self._pending.pop(snap.step, None)
-                remaining[0] -= 1
-                last = remaining[0] == 0
-                self._viable_cache = None
-            if last:
-                self._release(need, snap)
+                self._job_done(t.name, flight)
 
     def _apply_retention(self, t: _Tier) -> None:
         o = self._options

@@ -100,8 +100,8 @@ def target_for(leaf: Any, restore_arg: Any = None) -> LeafTarget:
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
         return LeafTarget("jax", tuple(leaf.shape), leaf.dtype,
                           sharding or getattr(leaf, "sharding", None))
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        return LeafTarget("numpy", tuple(np.shape(leaf)), np.asarray(leaf).dtype)
+    if isinstance(leaf, np.ndarray):
+        return LeafTarget("numpy", tuple(leaf.shape), leaf.dtype)
     if sharding is not None:
         return LeafTarget("jax", None, getattr(restore_arg, "dtype", None), sharding)
     return LeafTarget("value")

@@ -56,11 +56,12 @@ class Child:
     """One _saver.py process, started early; its stdout is read by a thread."""
 
     def __init__(self, ram: str, local: str):
+        self.err = tempfile.TemporaryFile("w+")
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                    JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_saver.py"), ram, local],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
             text=True, env=env)
         self.lines: list[str] = []
         self.cond = threading.Condition()
@@ -85,10 +86,14 @@ class Child:
                     return hit[0]
                 if "<eof>" in self.lines:
                     raise AssertionError(f"child exited before {prefix!r}: "
-                                         f"{self.proc.stderr.read()[-3000:]}")
+                                         f"{self._stderr()}")
                 left = deadline - time.monotonic()
                 assert left > 0, f"child did not print {prefix!r} in {timeout} s"
                 self.cond.wait(left)
+
+    def _stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()[-3000:]
 
     def go(self) -> None:
         self.proc.stdin.write("go\n")
@@ -101,7 +106,7 @@ class Child:
         self.proc.wait()  # reaped: a zombie would still look alive to cleaners
         self.reader.join(10)
         self.proc.stdin.close()
-        self.proc.stderr.close()
+        self.err.close()
         return [int(ln.split()[1]) for ln in self.lines if ln.startswith("committed ")]
 
 
@@ -165,13 +170,13 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(dirs):
         child = nxt
         child.wait_for("imported")
         child.go()
+        if trial + 1 < TRIALS:
+            nxt = Child(ram, local)  # imports jax while this trial runs and is checked
         child.wait_for("ready")
         # Kill anywhere from opening the manager to several saves in.
         time.sleep(rng.choice([0.0, 0.02, rng.uniform(0, 0.15), rng.uniform(0, 0.8),
                                rng.uniform(0, 0.8)]))
         committed = child.kill()
-        if trial + 1 < TRIALS:
-            nxt = Child(ram, local)  # imports while this trial is checked
         if committed:
             newest_committed = max(committed + [newest_committed or -1])
 

@@ -1,0 +1,635 @@
+"""Save and restore of a sharded train state: resilient_ckpt vs Orbax vs the machine.
+
+One run measures, interleaved within each repeat so that noise from other
+tenants hits every system alike:
+
+- limit: the physical references on the same bytes: a plain per-shard copy of
+  the state to fresh host memory (np.array of each unique shard: the floor of a
+  donation-safe snapshot), the same copy into pre-touched memory, first touch of
+  fresh memory, disk write + fsync of one file per shard, and sequential reads
+  of those files from a cold and a warm page cache;
+- resilient_ckpt: CheckpointManager with a RAM tier (/dev/shm) and a local
+  tier, both every step: the blocking time of `save`, each tier's write time,
+  restore from the RAM tier, and from the local tier with a warm and a cold
+  page cache;
+- orbax: orbax.checkpoint.CheckpointManager (async) on the same state: the
+  blocking time of `save`, save + wait_until_finished, restore with a warm and
+  a cold page cache.
+
+Output (../shared/BENCH.md): one JSON object per line on stdout, one per
+(system, case, size), then a summary line with the ratios; logs go to stderr.
+
+    python bench/save_restore.py                 # 1 GB and 4 GB, 3 repeats
+    python bench/save_restore.py --quick         # 128 MB, 2 repeats (< 2 min)
+    python bench/save_restore.py --sizes 2GB --repeats 5 --plot docs/x.png
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import gc
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+log = logging.getLogger("bench.save_restore")
+BENCH = "save_restore"
+GOALS = {  # summary key prefix -> (comparison, goal), from the issue
+    "restore_ram_speedup_vs_orbax_local_warm": (">=", 6.0),
+    "restore_local_cold_vs_limit": ("<=", 1.3),
+    "save_local_vs_limit": (">=", 0.8),
+    "save_blocking_vs_limit": ("<=", 1.3),
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[:-len(unit)]) * mult)
+    return int(s)
+
+
+def size_label(n: int) -> str:
+    if n >= 10**9 and n % 10**9 == 0:
+        return f"{n // 10**9}gb"
+    if n >= 10**9:
+        return f"{n / 10**9:g}gb".replace(".", "p")
+    return f"{round(n / 10**6)}mb"
+
+
+PRINTED: list[dict] = []  # every line printed so far, for --plot
+
+
+def emit(obj: dict) -> None:
+    PRINTED.append(obj)
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def timed(fn, *a, **kw) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return time.perf_counter() - t0, out
+
+
+def trim() -> None:
+    """Garbage-collects and gives glibc's freed heap back (see ENVIRONMENT.md)."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def drop_caches(paths: list[str]) -> str:
+    """Empties the page cache of `paths`: drop_caches where permitted (root),
+    else posix_fadvise(DONTNEED) per file. Returns the method used."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise_dontneed"
+
+
+def files_under(d: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(d):
+        out.extend(os.path.join(root, n) for n in sorted(names))
+    return out
+
+
+def read_through(paths: list[str], buf: np.ndarray | None = None) -> int:
+    """Reads every file sequentially into one reused buffer; returns bytes read."""
+    if buf is None:
+        buf = np.empty(16 << 20, np.uint8)
+    mv, total = memoryview(buf), 0
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while True:
+                n = os.readv(fd, [mv])
+                if n == 0:
+                    break
+                total += n
+        finally:
+            os.close(fd)
+    return total
+
+
+# ---------------------------------------------------------------- the state
+
+def build_state(total_bytes: int, mesh: Mesh) -> dict:
+    """A train-state-like pytree of about `total_bytes`: params and two Adam
+    moments of the same structure, float32 and bfloat16 leaves of varied shapes,
+    sharded over (data, model), some leaves replicated, plus a step counter."""
+    pbytes = total_bytes // 3
+    d = 1024 if pbytes >= 96 * 2**20 else 256
+    f = 4 * d
+    layer_bytes = 4 * 3 * d * d + 4 * d * d + 2 * d * f * 2 + 4 * f + 4 * 2 * d
+    n_layers = max(1, int(pbytes * 0.7) // layer_bytes)
+    pos = 4 * 512 * d  # replicated, 8 copies in memory: keep it small
+    rest = max(pbytes - n_layers * layer_bytes - pos, 8 * d * 4)
+    vocab = max(8, (rest // 2 // (4 * d)) // 8 * 8)
+    head = max(8, (rest - vocab * d * 4) // (4 * d) // 8 * 8)
+    f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
+    spec = {  # name -> (shape, dtype, PartitionSpec)
+        "embed": ((vocab, d), f32, P("data", "model")),
+        "pos_embed": ((512, d), f32, P()),
+        "lm_head": ((d, head), f32, P(None, "data")),  # replicated over "model"
+    }
+    for i in range(n_layers):
+        spec.update({
+            f"layer_{i:02d}/qkv": ((d, 3 * d), f32, P("data", "model")),
+            f"layer_{i:02d}/out": ((d, d), f32, P("model", "data")),
+            f"layer_{i:02d}/mlp_in": ((d, f), bf16, P("data", "model")),
+            f"layer_{i:02d}/mlp_out": ((f, d), bf16, P("model", "data")),
+            f"layer_{i:02d}/mlp_bias": ((f,), f32, P("model")),
+            f"layer_{i:02d}/ln_scale": ((d,), f32, P()),
+        })
+
+    def make(name: str, seed: int) -> jax.Array:
+        shape, dtype, pspec = spec[name]
+        sharding = NamedSharding(mesh, pspec)
+
+        def cb(index):
+            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+            start = tuple(s.indices(n)[0] for s, n in zip(index, shape))
+            rng = np.random.default_rng([seed, *start])
+            return rng.random(sub, dtype=np.float32).astype(dtype)
+        return jax.make_array_from_callback(shape, sharding, cb)
+
+    def tree(seed: int) -> dict:
+        out: dict = {}
+        for j, name in enumerate(spec):
+            node = out
+            *parents, leaf = name.split("/")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = make(name, seed * 10_000 + j)
+        return out
+
+    rep = NamedSharding(mesh, P())
+    return {"params": tree(1),
+            "opt_state": {"mu": tree(2), "nu": tree(3),
+                          "count": jax.device_put(np.int32(7), rep)},
+            "step": jax.device_put(np.int32(7), rep)}
+
+
+def abstract_of(state) -> object:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        state)
+
+
+def unique_shards(state) -> list[np.ndarray]:
+    """Zero-copy numpy views of every unique shard (replica 0), largest first."""
+    out = [np.asarray(s.data) for a in jax.tree.leaves(state)
+           for s in a.addressable_shards if s.replica_id == 0]
+    return sorted(out, key=lambda v: -v.nbytes)
+
+
+def tree_bytes(state) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(state))
+
+
+def same(a_tree, b_tree) -> bool:
+    """Shard-by-shard equality and equal shardings (numpy, no jit)."""
+    a_leaves, b_leaves = jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)
+    if len(a_leaves) != len(b_leaves):
+        return False
+    for a, b in zip(a_leaves, b_leaves):
+        if a.shape != b.shape or a.dtype != b.dtype or not a.sharding.is_equivalent_to(
+                b.sharding, a.ndim):
+            return False
+        bs = {s.device: s for s in b.addressable_shards}
+        for s in a.addressable_shards:
+            if not np.array_equal(np.asarray(s.data), np.asarray(bs[s.device].data)):
+                return False
+    return True
+
+
+# ---------------------------------------------------------------- the systems
+
+class Limit:
+    """The physical references on the bytes of the state."""
+
+    def __init__(self, workdir: str, write_threads: int):
+        self.dir = os.path.join(workdir, "limit")
+        self.write_threads = write_threads
+        self.cold_method = None
+
+    def host_copy(self, shards: list[np.ndarray]) -> float:
+        t, copies = timed(lambda: [np.array(v) for v in shards])
+        del copies
+        return t
+
+    def fresh_and_pretouched(self, shards: list[np.ndarray], nbytes: int) -> tuple[float, float]:
+        """First touch of fresh memory (np.empty + fill), then a copy of every
+        shard into that now-touched memory (what a reused buffer pool costs)."""
+        t0 = time.perf_counter()
+        pool = np.empty(nbytes, np.uint8)
+        pool.fill(0)
+        touch = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        off = 0
+        for v in shards:
+            n = v.nbytes
+            np.copyto(pool[off:off + n], v.reshape(-1).view(np.uint8))
+            off += n
+        copy = time.perf_counter() - t0
+        del pool
+        return touch, copy
+
+    def write(self, shards: list[np.ndarray]) -> tuple[float, list[str]]:
+        """One file per unique shard, buffered write + fsync each, in a thread pool
+        as wide as resilient_ckpt's I/O pool; then the directory is fsynced."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        paths = [os.path.join(self.dir, f"shard.{i:05d}") for i in range(len(shards))]
+
+        def put(i: int) -> None:
+            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(shards[i].reshape(-1).view(np.uint8))
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(self.write_threads) as ex:
+            list(ex.map(put, range(len(paths))))
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(fd)
+        os.close(fd)
+        return time.perf_counter() - t0, paths
+
+    def reads(self, paths: list[str], buf: np.ndarray) -> dict[str, float]:
+        out = {}
+        self.cold_method = drop_caches(paths)
+        out["read_cold"], _ = timed(read_through, paths, buf)
+        out["read_warm"], _ = timed(read_through, paths, buf)
+        self.cold_method = drop_caches(paths)
+        bufs = np.split(buf[:buf.size // 4 * 4], 4)
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda i: read_through(paths[i::4], bufs[i]), range(4)))
+        out["read_cold_4threads"] = time.perf_counter() - t0
+        return out
+
+    def clean(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Ours:
+    def __init__(self, workdir: str, shm_dir: str):
+        import resilient_ckpt as rc
+        self.rc = rc
+        self.dir = os.path.join(workdir, "resilient_ckpt")
+        self.shm = shm_dir
+        self.mngr = rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(
+            tiers=[rc.RamTier(every=1, keep=1, path=self.shm), rc.LocalTier(every=1, keep=1)]))
+
+    def save(self, step: int, state) -> dict[str, float]:
+        import orbax.checkpoint as ocp
+        for s in self.mngr.all_steps():  # one step at a time in RAM: the memory is tight
+            self.mngr.delete(s)
+        trim()
+        t0 = time.perf_counter()
+        started = self.mngr.save(step, args=ocp.args.StandardSave(state))
+        blocking = time.perf_counter() - t0
+        self.mngr.wait_until_finished()
+        total = time.perf_counter() - t0
+        assert started, f"step {step} was not saved"
+        rec = self.mngr.save_records[-1]
+        out = {"save_blocking": blocking, "save_total": total, "save_snapshot": rec.snapshot_s}
+        for name, tw in rec.tiers.items():
+            if isinstance(tw, str) or not tw.ok:
+                raise RuntimeError(f"tier {name} did not save step {step}: {tw}")
+            out[f"save_tier_{name}"] = tw.seconds
+        return out
+
+    def reader(self, tier: str):
+        rc = self.rc
+        t = rc.RamTier(every=1, keep=1, path=self.shm) if tier == "ram" else rc.LocalTier(
+            every=1, keep=1)
+        return rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(
+            tiers=[t], read_only=True, cleanup_tmp_directories=False))
+
+    def restore(self, tier: str, step: int, abstract, cold: bool, check=None
+                ) -> tuple[float, dict]:
+        import orbax.checkpoint as ocp
+        r = self.reader(tier)
+        try:
+            step_dir = os.path.join(self.shm if tier == "ram" else self.dir, str(step))
+            extra = {}
+            if tier == "local":
+                if cold:
+                    extra["cold_method"] = drop_caches(files_under(step_dir))
+                else:
+                    read_through(files_under(step_dir))
+            trim()
+            t, out = timed(r.restore, step, args=ocp.args.StandardRestore(abstract))
+            extra["served_bytes"] = dict(r.last_restore.bytes_by_tier)
+            if check is not None:
+                extra["equal"] = same(check, out)
+            del out
+            trim()
+            return t, extra
+        finally:
+            r.close()
+
+    def drop(self) -> None:
+        for s in self.mngr.all_steps():
+            self.mngr.delete(s)
+        trim()
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+class Orbax:
+    def __init__(self, workdir: str):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.dir = os.path.join(workdir, "orbax")
+        self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=True))
+
+    def save(self, step: int, state) -> dict[str, float]:
+        for s in self.mngr.all_steps():
+            self.mngr.delete(s)
+        trim()
+        t0 = time.perf_counter()
+        started = self.mngr.save(step, args=self.ocp.args.StandardSave(state))
+        blocking = time.perf_counter() - t0
+        self.mngr.wait_until_finished()
+        total = time.perf_counter() - t0
+        assert started, f"orbax did not save step {step}"
+        return {"save_blocking": blocking, "save_total": total}
+
+    def restore(self, step: int, abstract, cold: bool, check=None) -> tuple[float, dict]:
+        step_dir = os.path.join(self.dir, str(step))
+        extra = {}
+        if cold:
+            extra["cold_method"] = drop_caches(files_under(step_dir))
+        else:
+            read_through(files_under(step_dir))
+        trim()
+        t, out = timed(self.mngr.restore, step, args=self.ocp.args.StandardRestore(abstract))
+        if check is not None:
+            extra["equal"] = same(check, out)
+        del out
+        trim()
+        return t, extra
+
+    def drop(self) -> None:
+        for s in self.mngr.all_steps():
+            self.mngr.delete(s)
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+# ---------------------------------------------------------------- one size
+
+def fit_size(want: int, shm_dir: str) -> tuple[int, str | None]:
+    """The state size that fits: the RAM tier needs one state in /dev/shm, and
+    the process about 4.5 states of memory at its peak (state, snapshot pool,
+    RAM-tier copy, a restored state, Orbax's host copy)."""
+    shm_free = shutil.disk_usage(os.path.dirname(shm_dir) or "/dev/shm").free
+    mem = mem_available()
+    fits = min(want, int(shm_free / 1.2), int(mem / 4.5))
+    if fits < want:
+        why = (f"shrunk from {want} to {fits} bytes: /dev/shm has {shm_free} free, "
+               f"MemAvailable is {mem}")
+        log.warning("%s", why)
+        return fits, why
+    return want, None
+
+
+def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str], float]:
+    label = size_label(want)
+    workdir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.workdir)
+    shm_dir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.shm)
+    nbytes, shrunk = fit_size(want, shm_dir)
+    log.info("[%s] building the state (%d bytes asked) ...", label, nbytes)
+    t, state = timed(build_state, nbytes, mesh)
+    jax.block_until_ready(state)
+    actual = tree_bytes(state)
+    leaves = jax.tree.leaves(state)
+    shards = unique_shards(state)
+    log.info("[%s] state: %d leaves, %d unique shards, %.3f GB, built in %.1fs; "
+             "MemAvailable %.1f GB", label, len(leaves), len(shards), actual / 1e9, t,
+             mem_available() / 1e9)
+    abstract = abstract_of(state)
+    runs: dict[tuple[str, str], list[float]] = {}
+    extras: dict[tuple[str, str], dict] = {}
+
+    def add(system: str, case: str, seconds: float, extra: dict | None = None) -> None:
+        runs.setdefault((system, case), []).append(seconds)
+        for k, v in (extra or {}).items():
+            extras.setdefault((system, case), {}).setdefault(k, []).append(v)
+
+    limit = Limit(workdir, args.write_threads)
+    ours = Ours(workdir, shm_dir)
+    orbax = Orbax(workdir)
+    read_buf = np.zeros(max(v.nbytes for v in shards), np.uint8)
+    try:
+        log.info("[%s] warm-up saves (the first save pays for page faults)", label)
+        ours.save(0, state)
+        ours.drop()
+        orbax.save(0, state)
+        orbax.drop()
+        for r in range(repeats):
+            step = r + 1
+            check = state if (r == 0 and not args.no_verify) else None
+            # limit
+            add("limit", "host_copy", limit.host_copy(shards))
+            touch, copy = limit.fresh_and_pretouched(shards, actual)
+            add("limit", "first_touch_fresh", touch)
+            add("limit", "host_copy_pretouched", copy)
+            trim()
+            t, paths = limit.write(shards)
+            add("limit", "disk_write_fsync", t, {"threads": args.write_threads})
+            for case, t in limit.reads(paths, read_buf).items():
+                add("limit", case, t, {"cold_method": limit.cold_method}
+                    if "cold" in case else None)
+            limit.clean()
+            log.info("[%s] repeat %d: limit done", label, r)
+            # resilient_ckpt
+            for case, t in ours.save(step, state).items():
+                add("resilient_ckpt", case, t)
+            t, extra = ours.restore("ram", step, abstract, False, check)
+            add("resilient_ckpt", "restore_ram", t, extra)
+            t, extra = ours.restore("local", step, abstract, False, check)
+            add("resilient_ckpt", "restore_local_warm", t, extra)
+            t, extra = ours.restore("local", step, abstract, True, check)
+            add("resilient_ckpt", "restore_local_cold", t, extra)
+            ours.drop()
+            log.info("[%s] repeat %d: resilient_ckpt done", label, r)
+            # orbax
+            for case, t in orbax.save(step, state).items():
+                add("orbax", case, t)
+            t, extra = orbax.restore(step, abstract, False, check)
+            add("orbax", "restore_local_warm", t, extra)
+            t, extra = orbax.restore(step, abstract, True, check)
+            add("orbax", "restore_local_cold", t, extra)
+            orbax.drop()
+            log.info("[%s] repeat %d: orbax done; %s", label, r, {
+                f"{s}/{c}": round(v[-1], 3) for (s, c), v in runs.items()})
+    finally:
+        ours.close()
+        orbax.close()
+        limit.clean()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+    medians = {}
+    for (system, case), v in runs.items():
+        med = statistics.median(v)
+        medians[(system, case)] = med
+        line = {"bench": BENCH, "system": system, "case": case, "bytes": actual,
+                "devices": jax.device_count(), "size": label,
+                "runs_s": [round(x, 4) for x in v], "median_s": round(med, 4),
+                "gb_per_s": round(actual / med / 1e9, 3) if med > 0 else None}
+        for k, vals in extras.get((system, case), {}).items():
+            uniq = [x for i, x in enumerate(vals) if x not in vals[:i]]
+            line[k] = uniq[0] if len(uniq) == 1 else vals
+        if shrunk:
+            line["shrunk"] = shrunk
+        emit(line)
+    del state, shards, abstract, leaves
+    trim()
+    return medians
+
+
+def ratios(m: dict[tuple[str, str], float], label: str) -> dict[str, float]:
+    def q(a: tuple[str, str], b: tuple[str, str]) -> float | None:
+        if a not in m or b not in m or m[b] <= 0:
+            return None
+        return round(m[a] / m[b], 3)
+    ours, orb, lim = "resilient_ckpt", "orbax", "limit"
+    r = {
+        # > 1: we are faster
+        "restore_ram_speedup_vs_orbax_local_warm": q((orb, "restore_local_warm"),
+                                                     (ours, "restore_ram")),
+        "restore_local_warm_speedup_vs_orbax": q((orb, "restore_local_warm"),
+                                                 (ours, "restore_local_warm")),
+        "restore_local_cold_speedup_vs_orbax": q((orb, "restore_local_cold"),
+                                                 (ours, "restore_local_cold")),
+        "save_blocking_speedup_vs_orbax": q((orb, "save_blocking"), (ours, "save_blocking")),
+        # our time over the limit's: 1 is the limit, > 1 slower
+        "restore_local_cold_vs_limit": q((ours, "restore_local_cold"), (lim, "read_cold")),
+        "orbax_restore_local_cold_vs_limit": q((orb, "restore_local_cold"), (lim, "read_cold")),
+        "restore_local_warm_vs_limit": q((ours, "restore_local_warm"), (lim, "read_warm")),
+        "restore_ram_vs_limit_host_copy": q((ours, "restore_ram"), (lim, "host_copy")),
+        "save_blocking_vs_limit": q((ours, "save_blocking"), (lim, "host_copy")),
+        "orbax_save_blocking_vs_limit": q((orb, "save_blocking"), (lim, "host_copy")),
+        # bandwidth ratios (limit time / our time): 1 is the limit, < 1 slower
+        "save_local_vs_limit": q((lim, "disk_write_fsync"), (ours, "save_tier_local")),
+        "save_local_end_to_end_vs_limit": q((lim, "disk_write_fsync"), (ours, "save_total")),
+        "orbax_save_local_vs_limit": q((lim, "disk_write_fsync"), (orb, "save_total")),
+    }
+    return {f"{k}_{label}": v for k, v in r.items()}
+
+
+def goals_met(summary: dict) -> dict[str, bool | None]:
+    out = {}
+    for key, value in summary.items():
+        for prefix, (op, goal) in GOALS.items():
+            if key.startswith(prefix + "_") and key[len(prefix) + 1:].count("_") == 0:
+                out[key] = None if value is None else (
+                    value >= goal if op == ">=" else value <= goal)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints one JSON object per line on stdout (see shared/BENCH.md); "
+               "the last line is the summary.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="a small size (128MB) and 2 repeats: a check, under 2 minutes")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated state sizes, e.g. 1GB,4GB (default) or 512MB")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats per size (default 3)")
+    ap.add_argument("--workdir", default=None,
+                    help="directory on the disk to measure (default: the system temp dir)")
+    ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the RAM tier (default /dev/shm)")
+    ap.add_argument("--write-threads", type=int, default=8,
+                    help="threads for the limit's disk write (default 8, as resilient_ckpt's "
+                         "io_threads)")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="skip checking restored values against the state (first repeat)")
+    ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    for name in ("absl", "orbax", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    sizes = [parse_size(s) for s in (args.sizes or ("128MB" if args.quick else "1GB,4GB")
+                                     ).split(",")]
+    repeats = args.repeats or (2 if args.quick else 3)
+    if jax.device_count() != 8:
+        log.warning("running on %d devices, not 8", jax.device_count())
+    devs = np.array(jax.devices()[:8]).reshape(4, 2)
+    mesh = Mesh(devs, ("data", "model"))
+    summary: dict = {}
+    for n in sizes:
+        medians = run_size(n, repeats, args, mesh)
+        summary.update(ratios(medians, size_label(n)))
+    final = {"bench": BENCH, "summary": summary, "goals_met": goals_met(summary),
+             "goals": {k: f"{op} {g}" for k, (op, g) in GOALS.items()}}
+    if args.plot:
+        try:
+            from _plot import plot_save_restore
+        except ImportError as e:
+            log.warning("no plot: %s", e)
+        else:
+            plot_save_restore(PRINTED, final, args.plot)
+    emit(final)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
