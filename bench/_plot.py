@@ -20,6 +20,7 @@ SAVE = [("limit", "host_copy"), ("limit", "host_copy_pretouched"),
 RESTORE = [("limit", "read_warm"), ("resilient_ckpt", "restore_ram"),
            ("resilient_ckpt", "restore_local_warm"), ("orbax", "restore_local_warm"),
            ("limit", "read_cold"), ("limit", "read_cold_4threads"),
+           ("limit", "read_cold_fresh_memory"),
            ("resilient_ckpt", "restore_local_cold"), ("orbax", "restore_local_cold")]
 
 

@@ -86,7 +86,12 @@ def read_manifests(storage: Storage, d: str, names: list[str]) -> tuple:
             continue
         where = f"{storage.url}/{d}/{name}"
         try:
-            out.append(mf.parse(storage.read(f"{d}/{name}"), where))
+            m = mf.parse(storage.read(f"{d}/{name}"), where)
+            if layout.parse_manifest_name(name) != (m.process_index, m.process_count):
+                raise CorruptCheckpointError(
+                    f"{where}: holds process {m.process_index} of {m.process_count}, "
+                    "which its name contradicts")
+            out.append(m)
         except (CorruptCheckpointError, OSError) as e:
             log.warning("ignoring %s: %s", where, e)
             out.append(e if isinstance(e, CorruptCheckpointError)
@@ -124,8 +129,14 @@ def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int,
 
 
 def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
-    """Removes leftovers of dead writers on this host: temporaries, and step
-    directories with no manifest and no live writer. Returns what it removed."""
+    """Removes leftovers of dead writers on this host; returns what it removed.
+
+    Only what is recognisably ours is touched: temporaries and markers of dead
+    writers, and the chunks of an uncommitted step (no manifest) that no live
+    writer is working on. A directory holding anything else (an Orbax step, a
+    user's file) keeps those entries. Entries are deleted one by one from the
+    listing, so a save that starts in the directory meanwhile keeps its files.
+    """
     removed = []
     for name in storage.list(""):
         if naming.parse(name) is None:
@@ -133,14 +144,17 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
         names = storage.list(name)
         owners = [layout.parse_marker_name(n) or layout.parse_tmp_name(n) for n in names]
         live = any(w is not None and w.alive() is not False for w in owners)
-        if not live and not any(layout.parse_manifest_name(n) for n in names):
-            storage.delete_dir(name)  # a dead save's chunks, or a half-deleted step
-            removed.append(name)
-            continue
+        committed = any(layout.parse_manifest_name(n) for n in names)
+        here = 0
         for n, w in zip(names, owners):
-            if w is not None and w.alive() is False:
+            dead_own = w is not None and w.alive() is False
+            orphan = not committed and not live and layout.is_chunk_name(n)
+            if dead_own or orphan:
                 storage.delete(f"{name}/{n}")
                 removed.append(f"{name}/{n}")
+                here += 1
+        if here and not committed and not live and storage.remove_empty_dir(name):
+            removed.append(name)
     return removed
 
 

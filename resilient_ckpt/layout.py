@@ -17,6 +17,7 @@ import uuid
 
 _MANIFEST_RE = re.compile(r"^manifest\.(\d+)-of-(\d+)\.json$")
 _TMP_RE = re.compile(r"\.tmp\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)\.[0-9a-f]+$")
+_CHUNK_RE = re.compile(r"^[0-9a-f]{8}\.c\d+\.\d+\.(s|\d+(_\d+)*)$")
 _MARKER_RE = re.compile(r"^\.writing\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)$")
 
 
@@ -61,6 +62,11 @@ def parse_manifest_name(name: str) -> tuple[int, int] | None:
 
 def chunk_key(item_index: int, leaf_index: int, offsets: tuple[int, ...]) -> str:
     return f"c{item_index}.{leaf_index}." + ("_".join(map(str, offsets)) or "s")
+
+
+def is_chunk_name(name: str) -> bool:
+    """True for an object name this package writes for chunks (save-id prefixed)."""
+    return bool(_CHUNK_RE.match(name))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -312,7 +312,7 @@ class CheckpointManager:
         tiers = self._due_tiers(step) if not force else list(self._tiers)
         rec = SaveRecord(step)
         t0 = time.perf_counter()
-        save_id = uuid.uuid4().hex
+        save_id = _shared_save_id()
         records, sources = snapshot.describe_items(item_list, save_id, jax.process_index())
         need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
         self._reserve(need, rec)
@@ -415,10 +415,8 @@ class CheckpointManager:
         o = self._options
         with self._lock:
             steps = sorted(self._obs.get(t.name, {}))
-            pending = set(self._pending)
         viable = self._viable()
-        newest = max(viable) if viable else None
-        protected = frozenset({newest} if newest is not None else ()) | pending
+        protected = frozenset({max(viable)} if viable else ())
         metrics = {s: c.manifest.metrics for s, c in viable.items()}
         doomed = retention.to_delete(
             steps, t.keep, keep_period=o.keep_period, best_fn=o.best_fn,
@@ -626,6 +624,17 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shared_save_id() -> str:
+    """A fresh save id, the same on every process of the job (process 0's)."""
+    sid = uuid.uuid4()
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        raw = np.frombuffer(sid.bytes, dtype=np.uint8)
+        sid = uuid.UUID(bytes=bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))))
+    return sid.hex
 
 
 def _restore_arg_for(restore_args: Any, path) -> Any:

@@ -110,13 +110,17 @@ def encode_scalar(v: Any) -> dict:
     raise TypeError(f"not a scalar leaf: {type(v).__name__}")
 
 
+_SCALAR_TYPES = {"bool": bool, "int": int, "str": str, "float": str}
+
+
 def decode_scalar(d: dict) -> Any:
     t, v = d["type"], d["value"]
-    if t == "float":
-        return float.fromhex(v)
-    if t in ("bool", "int", "str"):
-        return {"bool": bool, "int": int, "str": str}[t](v)
-    raise UnsupportedFormatError(f"unknown scalar type {t!r} in manifest")
+    want = _SCALAR_TYPES.get(t)
+    if want is None:
+        raise UnsupportedFormatError(f"unknown scalar type {t!r} in manifest")
+    if type(v) is not want:  # noqa: E721 - bool is not an int here
+        raise ValueError(f"a {t} scalar holds {v!r}")
+    return float.fromhex(v) if t == "float" else v
 
 
 # ---------------------------------------------------------------- to JSON
@@ -145,7 +149,9 @@ def to_json(m: Manifest) -> bytes:
                    "value": it.value} for it in m.items],
         "metrics": m.metrics, "custom_metadata": m.custom_metadata,
     }
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    # Leaf floats are hex strings; NaN/Infinity can only come from user metrics
+    # (a diverged loss is worth recording) and use Python's JSON tokens for them.
+    return json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------- parsing
@@ -171,9 +177,9 @@ class _Reader:
             raise self.fail(f"{ctx} lacks fields {sorted(missing)}")
         return d
 
-    def int_(self, v: Any, ctx: str, lo: int = 0) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise self.fail(f"{ctx} must be an integer >= {lo}, got {v!r}")
+    def int_(self, v: Any, ctx: str, lo: int = 0, hi: int | None = None) -> int:
+        if type(v) is not int or v < lo or (hi is not None and v > hi):
+            raise self.fail(f"{ctx} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}")
         return v
 
     def ints(self, v: Any, ctx: str) -> tuple[int, ...]:
@@ -196,7 +202,7 @@ def _parse_chunk(r: _Reader, d: Any, ndim: int, ctx: str) -> ChunkRecord:
                     r.str_(d["key"], ctx + ".key"),
                     r.int_(d["nbytes"], ctx + ".nbytes"),
                     r.int_(d["stored_nbytes"], ctx + ".stored_nbytes"),
-                    r.int_(d["crc32c"], ctx + ".crc32c"),
+                    r.int_(d["crc32c"], ctx + ".crc32c", hi=2**32 - 1),
                     r.str_(d["codec"], ctx + ".codec", CODECS))
     if len(c.offsets) != ndim or len(c.sizes) != ndim:
         raise r.fail(f"{ctx} has offsets/sizes of rank != {ndim}")
@@ -266,7 +272,7 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
         raise r.fail("not a resilient_ckpt manifest")
     version = d.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
         raise UnsupportedFormatError(
             f"{where}: format version {version!r} is not supported by this "
             f"resilient_ckpt (reads version {FORMAT_VERSION}); upgrade resilient_ckpt")
@@ -278,7 +284,7 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
     if index >= count:
         raise r.fail(f"process.index {index} >= process.count {count}")
     created = d["created"]
-    if not isinstance(created, (int, float)) or not math.isfinite(created):
+    if type(created) not in (int, float) or not math.isfinite(created):
         raise r.fail("created must be a finite number")
     if not isinstance(d["items"], list):
         raise r.fail("items must be a list")

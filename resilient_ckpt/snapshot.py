@@ -1,11 +1,13 @@
-"""Device-to-host snapshots into reused, pre-touched host memory.
+"""Device-to-host snapshots into reused host memory.
 
 This is the only part of a save that blocks training. Each unique shard (replica
 0 of each box this process holds) is copied into a slab from `HostPool`; the
 copy completes before `take` returns, so the next step may donate or overwrite
 the state's buffers. Slabs are anonymous huge-page mappings kept for the next
-save: on these machines first-touching fresh memory runs at 0.3-1 GB/s against
-10-20 GB/s for a warm buffer (../shared/ENVIRONMENT.md), so reuse is the win.
+save: the first save pays for touching fresh memory (0.6-1.3 GB/s on these
+machines, against 15-23 GB/s into memory already touched, per
+../shared/ENVIRONMENT.md), every later save of the same state copies into warm
+memory. The pool holds at most what the host-memory budget lets be in flight.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-SHAPES = {"w": ((512, 1024), np.float32), "v": ((2048, 256), np.float32),
+SHAPES = {"w": ((512, 768), np.float32), "v": ((1024, 256), np.float32),
           "b": ((4096,), np.int32)}
 
 

@@ -224,3 +224,26 @@ def test_budget_wait_blocks_and_records_the_wait(tmp_path, ram_path, mesh, monke
 def test_gcs_directory_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="gs://"):
         CheckpointManager("gs://bucket/x")
+
+
+def test_nan_metrics_are_kept(tmp_path, mesh):
+    with CheckpointManager(tmp_path) as m:
+        m.save(0, args=ocp.args.StandardSave({"x": jnp.ones(2)}),
+               metrics={"loss": float("nan"), "acc": np.float32(0.5)})
+        m.wait_until_finished()
+    with CheckpointManager(tmp_path) as m2:
+        got = m2.metrics(0)
+        assert np.isnan(got["loss"]) and got["acc"] == 0.5
+
+
+def test_opening_an_orbax_directory_never_deletes_its_checkpoints(tmp_path):
+    with ocp.CheckpointManager(tmp_path) as om:
+        om.save(5, args=ocp.args.StandardSave({"x": jnp.arange(4.0)}))
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    m = CheckpointManager(tmp_path)
+    m._cleanup.join()
+    assert m.all_steps() == []  # not ours to read
+    m.close()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    with ocp.CheckpointManager(tmp_path) as om:
+        assert np.array_equal(om.restore(5)["x"], np.arange(4.0))

@@ -59,11 +59,14 @@ def _builtin_base(e: BaseException) -> type:
     return next(c for c in type(e).__mro__ if c.__module__ == "builtins")
 
 
-def run_both(tmp_path, fn: Callable, ours=OURS_BOTH) -> tuple[Any, list]:
+def run_both(tmp_path, fn: Callable, ours=OURS_BOTH, expect_ok: bool = True
+             ) -> tuple[Any, list]:
     """Runs fn(impl, directory) on Orbax and on each of ours; asserts that all
     return normally or all raise (ours an instance of the builtin class Orbax
     raised). Returns (orbax result, [our results])."""
     kind, ref = _run(ORBAX, tmp_path / ORBAX.name, fn)
+    if expect_ok and kind == "err":
+        raise AssertionError("the scenario failed on Orbax itself") from ref
     results = []
     for impl in ours:
         k, got = _run(impl, tmp_path / impl.name, fn)
@@ -209,7 +212,10 @@ def test_typed_prng_keys_round_trip(tmp_path):
             m.wait_until_finished()
             got = m.restore(0, args=ocp.args.StandardRestore(abstract(keys)))
             # keys still work as keys
-            draws = jax.tree.map(lambda k: np.asarray(jax.random.uniform(k, (2,))), got)
+            def draw(k):
+                f = lambda k1: jax.random.uniform(k1, (2,))  # noqa: E731
+                return np.asarray(jax.vmap(f)(k) if k.shape else f(k))
+            draws = jax.tree.map(draw, got)
             return got, m.restore(0), draws
     ref, ours = run_both(tmp_path, fn)
     for got in ours:
@@ -372,7 +378,8 @@ def _drive(sc: Scenario) -> Callable:
         with impl.manager(d, options=impl.options(**sc.options)) as m2:
             reopened = {"all_steps": list(m2.all_steps()), "latest": m2.latest_step(),
                         "best": m2.best_step(), "dirs": _step_dirs(d),
-                        "restored": np.asarray(m2.restore(None)["x"])}
+                        "restored": (None if m2.latest_step() is None
+                                     else np.asarray(m2.restore(None)["x"]))}
         return trace, reopened
     return fn
 
@@ -383,20 +390,27 @@ def test_policies(tmp_path, sc):
     for trace, reopened in ours:
         newest = None
         for r, g in zip(ref_trace, trace, strict=True):
-            for key in ("should_save", "saved", "latest_in_flight", "should_save_again"):
+            for key in ("should_save", "saved"):
                 assert g[key] == r[key], (r["step"], key, g[key], r[key])
             if g["saved"]:
                 newest = r["step"]
             if sc.newest_kept:
+                # Orbax may drop the step it just saved from its list at once.
+                assert g["latest_in_flight"] == newest
+                assert g["should_save_again"] is False
                 want = sorted(set(r["all_steps"]) | {newest})
                 assert g["all_steps"] == want, (r["step"], g["all_steps"], r["all_steps"])
                 assert g["latest"] == newest
                 for t in r["all_steps"]:
                     assert g["metrics"][t] == r["metrics"][t], (r["step"], t)
             else:
-                for key in ("all_steps", "latest", "metrics"):
+                for key in ("latest_in_flight", "should_save_again", "all_steps", "latest",
+                            "metrics"):
                     assert g[key] == r[key], (r["step"], key, g[key], r[key])
-            assert g["best"] == r["best"], (r["step"], g["best"], r["best"])
+            if sc.newest_kept and "best_fn" not in sc.options:
+                assert g["best"] == g["latest"]  # best_step() is latest_step() then
+            else:
+                assert g["best"] == r["best"], (r["step"], g["best"], r["best"])
         if not sc.newest_kept:
             assert reopened["all_steps"] == ref_re["all_steps"]
             assert reopened["dirs"] == ref_re["dirs"]
@@ -467,7 +481,7 @@ def test_errors(tmp_path, case):
         assert kind == "ok", ref
     else:
         assert kind == "err" and isinstance(ref, expected), ref
-    ref, ours = run_both(tmp_path, fn)
+    ref, ours = run_both(tmp_path, fn, expect_ok=expected is None)
     if expected is None:
         assert all(got == ref for got in ours)
 

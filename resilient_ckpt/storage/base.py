@@ -38,8 +38,9 @@ class Storage(abc.ABC):
         return bytes(buf)
 
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
-        """A read-only, zero-copy uint8 view of the object, where the backend
-        can give one that later writes and deletes never change; else None."""
+        """A zero-copy uint8 view of the object, where the backend can give one
+        that later writes and deletes never change and whose own writes never
+        reach storage (copy-on-write); else None."""
         return None
 
     @abc.abstractmethod
@@ -57,6 +58,10 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_dir(self, prefix: str) -> None:
         """Deletes a step's directory or prefix and what is left in it."""
+
+    def remove_empty_dir(self, prefix: str) -> bool:
+        """Removes a directory only if it is empty (prefix stores: no-op)."""
+        return False
 
     def begin_write(self, prefix: str) -> None:
         """Marks `prefix` as being written by this process (for cleaners)."""

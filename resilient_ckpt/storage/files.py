@@ -1,8 +1,8 @@
 """File-system storage: the RAM tier (tmpfs) and the local-disk tier.
 
 Every object is written to a temporary name carrying the writer's identity,
-fsynced, and renamed into place; `end_write` fsyncs the directory so the
-renames are durable before a manifest is committed after them. The commit
+fsynced, and renamed into place; `flush` fsyncs the directory so the renames
+are durable before a manifest is committed after them. The commit
 itself uses `put_if_absent`: the temporary is hard-linked to the final name,
 which fails if the name exists, so two writers can never both commit a step.
 """
@@ -150,6 +150,13 @@ class FileStorage(Storage):
         except OSError as e:
             raise self._err("delete of", prefix, e) from e
         self._sync_dir(os.path.dirname(path))
+
+    def remove_empty_dir(self, prefix: str) -> bool:
+        try:
+            os.rmdir(self._path(prefix))
+            return True
+        except OSError:
+            return False
 
     def begin_write(self, prefix: str) -> None:
         marker = os.path.join(self._path(prefix), self._writer.marker_name())
