@@ -23,7 +23,7 @@ from typing import Any, Callable, Container
 import jax
 from etils import epath
 
-from . import args as args_lib, commit, layout, retention, selection, snapshot
+from . import args as args_lib, commit, layout, legacy, retention, selection, snapshot
 from .errors import (CorruptCheckpointError, ItemNotFoundError, SaveFailedError,
                      StepAlreadyExistsError, StepNotFoundError, TargetMismatchError)
 from .pytree import build_nested, flatten, match_target, unflatten
@@ -160,6 +160,7 @@ class CheckpointManager:
         self._errors: list[BaseException] = []
         self._bad: set = set()
         self._obs: dict[str, dict] = {}
+        self._orbax_steps: set[int] = set()
         self._viable_cache: dict | None = None
         self._local_info: dict[int, tuple[float, Any]] = {}
         self.save_records: collections.deque = collections.deque(maxlen=256)
@@ -209,9 +210,19 @@ class CheckpointManager:
     def reload(self) -> None:
         """Re-reads every tier (steps written by other processes appear)."""
         obs = {t.name: commit.observe(t.storage, t.name, self._naming) for t in self._tiers}
+        home = self._home_tier()
+        orbax = legacy.orbax_steps(home.storage, self._naming) if home else set()
         with self._lock:
             self._obs = obs
+            self._orbax_steps = orbax - {s for o in obs.values() for s in o}
             self._viable_cache = None
+
+    def _home_tier(self) -> _Tier | None:
+        """The local tier at the manager's directory, where Orbax steps may be."""
+        for t in self._tiers:
+            if getattr(t.storage, "root", None) == os.path.abspath(str(self._directory)):
+                return t
+        return None
 
     def _observations(self) -> dict[int, list]:
         merged: dict[int, list] = collections.defaultdict(list)
@@ -233,13 +244,15 @@ class CheckpointManager:
             self.reload()
         with self._lock:
             pending = set(self._pending)
-        return sorted(set(self._viable()) | pending)
+        return sorted(set(self._viable()) | pending | self._orbax_steps)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def _metrics_of(self, step: int) -> Any:
+        if step in self._orbax_steps:
+            return legacy.metrics(str(self._directory), self._naming, step)
         c = self._viable().get(step)
         if c is not None:
             return c.manifest.metrics
@@ -416,6 +429,9 @@ class CheckpointManager:
         with self._lock:
             steps = sorted(self._obs.get(t.name, {}))
         viable = self._viable()
+        # Only restorable steps take retention slots: a damaged step (bad manifest,
+        # missing chunk) must not push a good older step out; it is left alone.
+        steps = [s for s in steps if s in viable]
         protected = frozenset({max(viable)} if viable else ())
         metrics = {s: c.manifest.metrics for s, c in viable.items()}
         doomed = retention.to_delete(
@@ -476,6 +492,10 @@ class CheckpointManager:
             raise StepNotFoundError(f"cannot delete step {step}: it does not exist in "
                                     f"{self._directory} (steps: {self.all_steps()})")
         self._wait_step(step)
+        if step in self._orbax_steps:
+            self._home_tier().storage.delete_dir(self._naming.name(step))
+            self._orbax_steps.discard(step)
+            return
         for t in self._tiers:
             self._delete_from(t, step)
         self._local_info.pop(step, None)
@@ -503,6 +523,12 @@ class CheckpointManager:
         else:
             for s in list(self._pending):
                 self._wait_step(s)
+        ours = self._viable()
+        orbax_newest = max(self._orbax_steps, default=None)
+        if step is None and orbax_newest is not None and orbax_newest > max(ours, default=-1):
+            return legacy.restore(str(self._directory), self._naming, orbax_newest, args)
+        if step is not None and step not in ours and step in self._orbax_steps:
+            return legacy.restore(str(self._directory), self._naming, step, args)
         while True:
             choices = self._viable()
             if step is None:
@@ -597,6 +623,8 @@ class CheckpointManager:
             return RootMetadata({})
         self._wait_step(step)
         c = self._viable().get(step)
+        if c is None and step in self._orbax_steps:
+            return legacy.metadata(str(self._directory), self._naming, step)
         if c is None:
             raise StepNotFoundError(f"step {step} has no viable copy in {self._directory}")
         m = c.manifest

@@ -236,14 +236,21 @@ def test_nan_metrics_are_kept(tmp_path, mesh):
         assert np.isnan(got["loss"]) and got["acc"] == 0.5
 
 
-def test_opening_an_orbax_directory_never_deletes_its_checkpoints(tmp_path):
+def test_moving_an_orbax_loop_over_keeps_and_restores_its_steps(tmp_path):
     with ocp.CheckpointManager(tmp_path) as om:
         om.save(5, args=ocp.args.StandardSave({"x": jnp.arange(4.0)}))
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    m = CheckpointManager(tmp_path)
+    m = CheckpointManager(tmp_path, options=CheckpointManagerOptions(max_to_keep=1))
     m._cleanup.join()
-    assert m.all_steps() == []  # not ours to read
-    m.close()
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
-    with ocp.CheckpointManager(tmp_path) as om:
-        assert np.array_equal(om.restore(5)["x"], np.arange(4.0))
+    assert m.latest_step() == 5 and not m.should_save(5) and m.should_save(6)
+    target = {"x": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    assert np.array_equal(m.restore(None, args=ocp.args.StandardRestore(target))["x"],
+                          np.arange(4.0))
+    m.save(6, args=ocp.args.StandardSave({"x": jnp.arange(4.0) + 1}))
+    m.wait_until_finished()
+    assert m.all_steps() == [5, 6]  # Orbax's steps are never deleted by our retention
+    assert np.array_equal(m.restore(None)["x"], np.arange(4.0) + 1)
+    assert np.array_equal(m.restore(5, args=ocp.args.StandardRestore(target))["x"],
+                          np.arange(4.0))
+    m.close()
