@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import layout
+from . import codec, layout
 from .errors import CorruptCheckpointError, StorageError, TargetMismatchError
 from .manifest import ChunkRecord, LeafRecord, decode_scalar, path_str
 from .planner import plan_target
@@ -60,12 +60,13 @@ class ChunkReader:
             st = self.storages[tier]
             key = f"{self.dir}/{c.key}"
             try:
-                buf = st.map(key, c.stored_nbytes) if zero_copy else None
+                raw = c.codec == "raw"
+                buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
                 if buf is None:
                     buf = host_buffer(c.stored_nbytes)
                     st.read_into(key, memoryview(buf))
-                if c.codec != "raw":
-                    raise CorruptCheckpointError(f"codec {c.codec!r} is not readable here")
+                if not raw:
+                    buf = codec.decode(c.codec, buf, c.nbytes, host_buffer(c.nbytes))
                 if google_crc32c.value(buf) != c.crc32c:
                     raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             except (CorruptCheckpointError, StorageError) as e:
@@ -213,7 +214,3 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
             a.block_until_ready()
     reader.record.seconds += time.perf_counter() - t0
     return out
-
-
-def slices_of(box) -> tuple[slice, ...]:
-    return box_to_slices(box)

@@ -6,8 +6,8 @@ until it is killed.
 It imports jax, prints "imported", waits for one line on stdin (so the parent
 can start it early, while it still checks the previous trial), opens a manager
 on a RamTier and a LocalTier, prints "ready <latest step or -1>", then saves
-steps latest+1, latest+2, ... forever, printing "committed N" once step N (and
-every step before it) is committed to every tier. The state of step N is
+steps latest+1, latest+2, ... forever, printing "saving N" as it calls save and
+"committed N" once step N (and every step before it) is committed to every tier. The state of step N is
 `make_state(N)`; the parent imports this module to know what each step holds.
 """
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
         host = make_state(step)
         state = {k: jax.device_put(host[k], sh[k]) for k in ("w", "v", "b")}
         state["n"] = host["n"]
+        print(f"saving {step}", flush=True)
         assert mngr.save(step, args=ocp.args.StandardSave(state), force=True)
         unreported.append(step)
         if step % 3 != 1:  # sometimes let two saves overlap in the background

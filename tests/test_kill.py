@@ -80,11 +80,12 @@ class Child:
             self.lines.append("<eof>")
             self.cond.notify_all()
 
-    def wait_for(self, prefix: str, timeout: float = 60) -> str:
+    def wait_for(self, prefix: str, timeout: float = 60, exact: bool = False) -> str:
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                hit = [ln for ln in self.lines if ln.startswith(prefix)]
+                hit = [ln for ln in self.lines
+                       if (ln == prefix if exact else ln.startswith(prefix))]
                 if hit:
                     return hit[0]
                 if "<eof>" in self.lines:
@@ -181,10 +182,14 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(dirs):
                 ahead.append(Child(ram, local))
             child.wait_for("imported")
             child.go()
-            child.wait_for("ready")
-            # Kill anywhere from opening the manager to several saves in.
-            time.sleep(rng.choice([0.0, 0.02, rng.uniform(0, 0.15), rng.uniform(0, 0.8),
-                                   rng.uniform(0, 0.8)]))
+            first = int(child.wait_for("ready").split()[1]) + 1
+            if trial % 3 == 0:
+                # Anywhere from opening the manager to several saves in.
+                time.sleep(rng.choice([0.0, 0.02, rng.uniform(0, 0.15), rng.uniform(0, 0.8)]))
+            else:
+                # Within a few ms of a save call, where the writes are under way.
+                child.wait_for(f"saving {first + rng.randrange(4)}", exact=True)
+                time.sleep(rng.uniform(0, 0.03))
             committed = child.kill()
             if committed:
                 newest_committed = max(committed + [newest_committed or -1])
