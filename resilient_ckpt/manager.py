@@ -64,6 +64,7 @@ class CheckpointManagerOptions:
     host_memory_budget: int | None = None
     over_budget: str = "wait"
     io_threads: int = 8
+    restore_memory_budget: int = 256 * 1024 * 1024
 
     def __post_init__(self):
         if self.best_mode not in ("min", "max"):
@@ -572,7 +573,8 @@ class CheckpointManager:
                         is_composite: bool, record: RestoreRecord) -> Any:
         m = chosen.manifest
         storages = {t.name: t.storage for t in self._tiers}
-        reader = ChunkReader(storages, self._naming, chosen, self._bad, record)
+        reader = ChunkReader(storages, self._naming, chosen, self._bad, record,
+                             self._options.restore_memory_budget)
         names = [it.name for it in m.items]
         if requests is None:
             requests = {n: args_lib.RestoreRequest("any") for n in names}

@@ -38,6 +38,8 @@ class ChunkRecord:
     stored_nbytes: int  # bytes of the object as stored (after the codec)
     crc32c: int  # over the uncompressed bytes
     codec: str = "raw"
+    block_bytes: int = 0  # > 0: the bytes are also checksummed in blocks of this size
+    block_crc32c: tuple[int, ...] = ()  # per block, over the uncompressed bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,8 @@ def decode_scalar(d: dict) -> Any:
 def _chunk_to_json(c: ChunkRecord) -> dict:
     return {"offsets": list(c.offsets), "sizes": list(c.sizes), "key": c.key,
             "nbytes": c.nbytes, "stored_nbytes": c.stored_nbytes,
-            "crc32c": c.crc32c, "codec": c.codec}
+            "crc32c": c.crc32c, "codec": c.codec, "block_bytes": c.block_bytes,
+            "block_crc32c": list(c.block_crc32c)}
 
 
 def _leaf_to_json(leaf: LeafRecord) -> dict:
@@ -196,20 +199,28 @@ class _Reader:
 
 def _parse_chunk(r: _Reader, d: Any, ndim: int, ctx: str) -> ChunkRecord:
     d = r.obj(d, ctx, {"offsets", "sizes", "key", "nbytes", "stored_nbytes",
-                       "crc32c", "codec"})
+                       "crc32c", "codec", "block_bytes", "block_crc32c"})
     c = ChunkRecord(r.ints(d["offsets"], ctx + ".offsets"),
                     r.ints(d["sizes"], ctx + ".sizes"),
                     r.str_(d["key"], ctx + ".key"),
                     r.int_(d["nbytes"], ctx + ".nbytes"),
                     r.int_(d["stored_nbytes"], ctx + ".stored_nbytes"),
                     r.int_(d["crc32c"], ctx + ".crc32c", hi=2**32 - 1),
-                    r.str_(d["codec"], ctx + ".codec", CODECS))
+                    r.str_(d["codec"], ctx + ".codec", CODECS),
+                    r.int_(d["block_bytes"], ctx + ".block_bytes"),
+                    tuple(r.int_(x, ctx + ".block_crc32c", hi=2**32 - 1)
+                          for x in (d["block_crc32c"] if isinstance(d["block_crc32c"], list)
+                                    else [None])))
     if len(c.offsets) != ndim or len(c.sizes) != ndim:
         raise r.fail(f"{ctx} has offsets/sizes of rank != {ndim}")
     if not c.key or c.key.startswith("/") or ".." in c.key.split("/"):
         raise r.fail(f"{ctx}.key {c.key!r} is not a relative object name")
     if c.codec == "raw" and c.stored_nbytes != c.nbytes:
         raise r.fail(f"{ctx}: raw chunk with stored_nbytes != nbytes")
+    expect_blocks = -(-c.nbytes // c.block_bytes) if c.block_bytes else 0
+    if len(c.block_crc32c) != expect_blocks:
+        raise r.fail(f"{ctx}: {len(c.block_crc32c)} block checksums for "
+                     f"{expect_blocks} blocks of {c.block_bytes} bytes")
     return c
 
 

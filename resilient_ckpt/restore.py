@@ -1,10 +1,13 @@
 """Reading a selected step back: verified chunk reads and array assembly.
 
 Each chunk is read from the first tier in its source list whose copy passes its
-crc32c; a failed copy is marked bad and the next tier is tried. Target shards
-that are exactly one saved chunk are used as read (on the CPU backend, aliased
-into the jax array without a copy); others are assembled from the intersecting
-chunks. The record says which tier served each chunk and what fell back.
+checksums; a failed copy is marked bad and the next tier is tried. Target
+shards that are exactly one saved chunk are used as read (on the CPU backend,
+aliased into the jax array without a copy). Others are assembled chunk by
+chunk: only the checksum blocks holding needed rows are read, through a
+staging buffer bounded by the restore memory budget, so host memory peaks at
+the restored state plus that budget. The record says which tier served each
+chunk, the bytes read per tier, and what fell back.
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import numpy as np
 from . import codec, layout
 from .errors import CorruptCheckpointError, StorageError, TargetMismatchError
 from .manifest import ChunkRecord, LeafRecord, decode_scalar, path_str
-from .planner import plan_target
+from .planner import blocks_for_rows, plan_target, rows_per_block
 from .selection import Choice
-from .sharding import box_to_slices, index_to_box, rebuild
+from .sharding import index_to_box, rebuild
 from .storage.base import Storage
 
 
@@ -47,28 +50,36 @@ def host_buffer(nbytes: int) -> np.ndarray:
 
 
 class ChunkReader:
+    """Verified reads of one selected step's chunks, fastest intact copy first.
+
+    `whole` returns a chunk's bytes; `pieces` copies parts of a chunk into
+    destination arrays, reading (range reads, or a RAM-tier mapping) only the
+    checksum blocks that hold the rows those parts need, through a staging
+    buffer of at most `budget` bytes.
+    """
+
     def __init__(self, storages: Mapping[str, Storage], naming: layout.StepNaming,
-                 choice: Choice, bad: set, record: RestoreRecord):
+                 choice: Choice, bad: set, record: RestoreRecord,
+                 budget: int = 256 * 1024 * 1024):
         self.storages, self.choice, self.bad, self.record = storages, choice, bad, record
         self.dir = naming.name(choice.step)
+        self.budget = max(1, budget)
+        self._staging: np.ndarray | None = None
 
-    def get(self, c: ChunkRecord, where: str, zero_copy: bool) -> np.ndarray:
+    def _stage(self, nbytes: int) -> np.ndarray:
+        if self._staging is None or len(self._staging) < nbytes:
+            self._staging = host_buffer(min(max(nbytes, 1 << 20), max(self.budget, nbytes)))
+        return self._staging[:nbytes]
+
+    def _from_tiers(self, c: ChunkRecord, where: str, read):
+        """Runs read(storage, key) against each copy until one verifies."""
         tried = []
         for tier in self.choice.sources.get(c.key, ()):
             if (tier, c.key) in self.bad:
                 continue
             st = self.storages[tier]
-            key = f"{self.dir}/{c.key}"
             try:
-                raw = c.codec == "raw"
-                buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
-                if buf is None:
-                    buf = host_buffer(c.stored_nbytes)
-                    st.read_into(key, memoryview(buf))
-                if not raw:
-                    buf = codec.decode(c.codec, buf, c.nbytes, host_buffer(c.nbytes))
-                if google_crc32c.value(buf) != c.crc32c:
-                    raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
+                out, nread = read(st, f"{self.dir}/{c.key}")
             except (CorruptCheckpointError, StorageError) as e:
                 self.bad.add((tier, c.key))
                 tried.append(f"{tier}: {e}")
@@ -76,14 +87,79 @@ class ChunkReader:
                     f"step {self.choice.step}, {where}: chunk {c.key} from the {tier} tier "
                     f"failed ({e}); trying the next copy")
                 continue
-            self.record.bytes_by_tier[tier] += c.stored_nbytes
+            self.record.bytes_by_tier[tier] += nread
             self.record.chunks_by_tier[tier] += 1
             self.record.served[c.key] = tier
-            return buf
+            return out
         raise CorruptCheckpointError(
             f"step {self.choice.step}, {where}: chunk {c.key} has no intact copy "
             f"(tried {tried or 'none'}); restore an older step (latest_step() now "
             "skips this one)")
+
+    def whole(self, c: ChunkRecord, where: str, zero_copy: bool) -> np.ndarray:
+        """The chunk's verified, uncompressed bytes in a buffer of its own (or,
+        with zero_copy, a copy-on-write mapping of a RAM-tier object)."""
+        def read(st: Storage, key: str):
+            raw = c.codec == "raw"
+            buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
+            if buf is None:
+                buf = host_buffer(c.stored_nbytes)
+                st.read_into(key, memoryview(buf))
+            if not raw:
+                buf = codec.decode(c.codec, buf, c.nbytes, host_buffer(c.nbytes))
+            if google_crc32c.value(buf) != c.crc32c:
+                raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
+            return buf, c.stored_nbytes
+        return self._from_tiers(c, where, read)
+
+    def pieces(self, c: ChunkRecord, dtype: np.dtype,
+               parts: list[tuple[tuple[slice, ...], np.ndarray]], where: str) -> None:
+        """Copies chunk[src] into dst for each (src, dst) of `parts`."""
+        rpb = rows_per_block(c)
+        if c.codec != "raw" or rpb is None:
+            arr = self.whole(c, where, True).view(dtype).reshape(c.sizes)
+            for src, dst in parts:
+                dst[...] = arr[src]
+            return
+        row_bytes = c.nbytes // c.sizes[0]
+        spans = blocks_for_rows(c, [(src[0].start, src[0].stop) for src, _ in parts])
+        step_blocks = max(1, self.budget // c.block_bytes)
+
+        def read(st: Storage, key: str):
+            mapped = st.map(key, c.nbytes)
+            nread = 0
+            for b0, b1 in spans:
+                for lo in range(b0, b1, step_blocks):
+                    hi = min(b1, lo + step_blocks)
+                    start, stop = lo * c.block_bytes, min(hi * c.block_bytes, c.nbytes)
+                    if mapped is not None:
+                        seg = mapped[start:stop]
+                    else:
+                        seg = self._stage(stop - start)
+                        st.read_into(key, memoryview(seg), offset=start)
+                    nread += stop - start
+                    for i, b in enumerate(range(lo, hi)):
+                        blk = seg[i * c.block_bytes:(i + 1) * c.block_bytes]
+                        if google_crc32c.value(blk) != c.block_crc32c[b]:
+                            raise CorruptCheckpointError(
+                                f"crc32c mismatch in block {b} of {st.url}/{key}")
+                    r0 = lo * rpb
+                    rows = seg.view(dtype).reshape(((stop - start) // row_bytes,) + c.sizes[1:])
+                    _copy_rows(parts, rows, r0)
+            return None, nread
+        self._from_tiers(c, where, read)
+
+
+def _copy_rows(parts, rows: np.ndarray, r0: int) -> None:
+    """Copies the rows [r0, r0 + len(rows)) that each part needs into its dst."""
+    r1 = r0 + rows.shape[0]
+    for src, dst in parts:
+        lo, hi = max(src[0].start, r0), min(src[0].stop, r1)
+        if hi <= lo:
+            continue
+        d0 = lo - src[0].start
+        dst[(slice(d0, d0 + hi - lo),) + (slice(None),) * (dst.ndim - 1)] = \
+            rows[(slice(lo - r0, hi - r0),) + tuple(src[1:])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,41 +222,44 @@ def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _assemble(rec: LeafRecord, box, reader: ChunkReader, where: str, zero_copy: bool,
-              cache: dict) -> np.ndarray:
+def _host_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
+                zero_copy: bool) -> dict:
+    """Host arrays for each target box of one leaf, read chunk by chunk."""
     dtype = jnp.dtype(rec.dtype)
-    plan = plan_target(box, rec.chunks, where)
-    single = plan.single
-    if single is not None:
-        return reader.get(single, where, zero_copy).view(dtype).reshape(box[1])
-    out = host_buffer(int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize)
-    out = out.view(dtype).reshape(box[1])
-    for p in plan.pieces:
-        if p.chunk.key not in cache:
-            cache[p.chunk.key] = reader.get(p.chunk, where, True).view(dtype).reshape(
-                p.chunk.sizes)
-        out[p.dst] = cache[p.chunk.key][p.src]
+    out, parts = {}, collections.defaultdict(list)
+    chunks = {}
+    for box in boxes:
+        plan = plan_target(box, rec.chunks, where)
+        if plan.single is not None:
+            out[box] = reader.whole(plan.single, where, zero_copy).view(dtype).reshape(box[1])
+            continue
+        nbytes = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
+        out[box] = host_buffer(nbytes).view(dtype).reshape(box[1])
+        for p in plan.pieces:
+            parts[p.chunk.key].append((p.src, out[box][p.dst]))
+            chunks[p.chunk.key] = p.chunk
+    for key, c in chunks.items():
+        reader.pieces(c, dtype, parts[key], where)
     return out
 
 
 def _to_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReader,
             where: str) -> jax.Array:
     shape = rec.shape
-    cache: dict = {}
+    index_map = sharding.addressable_devices_indices_map(shape)
     by_box = collections.defaultdict(list)
-    for d, idx in sharding.addressable_devices_indices_map(shape).items():
+    for d, idx in index_map.items():
         by_box[index_to_box(idx, shape)].append(d)
-    arrays = []
+    cpu = all(d.platform == "cpu" for d in index_map)
+    host = _host_boxes(rec, list(by_box), reader, where, cpu)
+    by_dev = {}
     for box, devices in by_box.items():
-        cpu = devices[0].platform == "cpu"
-        host = _assemble(rec, box, reader, where, cpu, cache)
         for i, d in enumerate(devices):
-            # Alias the host buffer into at most one device array: two arrays on
+            # Alias a host buffer into at most one device array: two arrays on
             # one buffer would see each other's donated writes.
-            arrays.append(jax.device_put(host, d, may_alias=(cpu and i == 0)))
-    by_dev = {a.devices().pop(): a for a in arrays}
-    ordered = [by_dev[d] for d in sharding.addressable_devices_indices_map(shape)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
+            by_dev[d] = jax.device_put(host[box], d, may_alias=(cpu and i == 0))
+    return jax.make_array_from_single_device_arrays(shape, sharding,
+                                                    [by_dev[d] for d in index_map])
 
 
 def restore_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader, where: str) -> Any:
@@ -191,7 +270,7 @@ def restore_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader, where: s
         return decode_scalar(rec.value)
     if tgt.kind == "numpy" or (tgt.kind == "value" and rec.kind.startswith("numpy")):
         full = (tuple(0 for _ in rec.shape), tuple(rec.shape))
-        arr = np.array(_assemble(rec, full, reader, where, False, {}))
+        arr = np.array(_host_boxes(rec, [full], reader, where, False)[full])
         if rec.kind == "numpy_scalar" and tgt.kind == "value":
             return arr[()]
         return arr

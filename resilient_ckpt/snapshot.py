@@ -23,7 +23,7 @@ import numpy as np
 
 from . import layout
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, encode_scalar
-from .planner import unique_boxes
+from .planner import block_bytes_for, unique_boxes
 from .pytree import flatten, leaf_kind
 from .sharding import describe, index_to_box
 
@@ -70,7 +70,10 @@ class SnapChunk:
     sizes: tuple[int, ...]
     key: str
     data: np.ndarray  # uint8 view into the slab
+    itemsize: int = 1
     crc: int | None = None
+    block_bytes: int = 0
+    blocks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -87,11 +90,17 @@ class Snapshot:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def crc(self, i: int) -> int:
+        """The chunk's crc32c (computing it and its block checksums once)."""
         c = self.chunks[i]
         if c.crc is None:
-            value = google_crc32c.value(c.data)
+            bb = block_bytes_for(c.sizes, c.itemsize)
+            whole, blocks = 0, []
+            for start in range(0, int(c.data.nbytes), bb):
+                block = c.data[start:start + bb]
+                blocks.append(google_crc32c.value(block))
+                whole = google_crc32c.extend(whole, block)
             with self._lock:
-                c.crc = value
+                c.block_bytes, c.blocks, c.crc = (bb if blocks else 0), tuple(blocks), whole
         return c.crc
 
     def manifest_items(self) -> tuple[ItemRecord, ...]:
@@ -100,7 +109,8 @@ class Snapshot:
         for i, c in enumerate(self.chunks):
             n = int(c.data.nbytes)
             per_leaf.setdefault((c.item, c.leaf), []).append(
-                ChunkRecord(c.offsets, c.sizes, c.key, n, n, self.crc(i)))
+                ChunkRecord(c.offsets, c.sizes, c.key, n, n, self.crc(i), "raw",
+                            c.block_bytes, c.blocks))
         out = []
         for ii, it in enumerate(self.items):
             leaves = tuple(dataclasses.replace(lf, chunks=tuple(per_leaf.get((ii, li), ())))
@@ -170,9 +180,10 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     slab = pool.take(total) if total else None
     flat = np.frombuffer(slab, dtype=np.uint8) if slab is not None else None
     chunks = []
-    for (ii, li, box, key, _), off, n in zip(sources, offsets, sizes):
+    for (ii, li, box, key, src), off, n in zip(sources, offsets, sizes):
         chunks.append(SnapChunk(ii, li, box[0], box[1], key, flat[off:off + n]
-                                if flat is not None else np.zeros(0, np.uint8)))
+                                if flat is not None else np.zeros(0, np.uint8),
+                                np.dtype(src.dtype).itemsize))
 
     def copy(i: int) -> None:
         np.copyto(chunks[i].data, _as_bytes(np.asarray(sources[i][4])))

@@ -276,7 +276,7 @@ def test_bad_manifest_in_every_tier_step_not_selected(dirs, damage, caplog):
     for tier in ("ram", "local"):
         MANIFEST_DAMAGE[damage](dirs.manifest(tier, 3))
     others = dirs.digest((1, 2))
-    step3 = {k: v for k, v in dirs.digest((3,)).items()}
+    step3 = dirs.digest((3,))
     with caplog.at_level(logging.WARNING, logger="resilient_ckpt"), dirs.open() as m:
         m._cleanup.join(30)
         assert m.all_steps() == [1, 2]

@@ -1,15 +1,18 @@
 """SIGKILL at random moments of a stream of saves never loses a committed step.
 
 A child process (tests/_saver.py) saves deterministic steps to a RamTier and a
-LocalTier; the parent kills it with SIGKILL after a random delay, then opens a
-fresh manager on the same directories and checks that
+LocalTier; the parent kills it with SIGKILL (only that pid) at a random moment,
+either any time after it opened its manager or within a few ms of one of its
+save calls, then opens a fresh manager on the same directories and checks that
   * a step is selected whenever one was ever reported committed, and it is no
     older than the newest reported one;
-  * every viable step restores bit-exact to that step's deterministic state,
-    with no chunk falling back to another copy;
-  * the fresh manager's background cleanup removes the dead child's
-    temporaries, in-progress markers and uncommitted step directories, and
-    never touches a step directory that holds a manifest.
+  * the oldest and newest viable steps, and restore() of the latest, are
+    bit-exact equal to those steps' deterministic states, with no chunk
+    falling back to another copy;
+  * the fresh manager's background cleanup (joined) removes the dead child's
+    temporaries and in-progress markers and empties uncommitted step
+    directories, and never removes a file of a step directory that holds a
+    manifest.
 One pair of directories is reused across all trials, so later children start
 on top of older steps and of whatever the previous kill left behind; every
 other trial skips the parent's cleanup so the next child's own cleanup has to
@@ -38,9 +41,10 @@ import pytest
 import resilient_ckpt as rc
 from resilient_ckpt import layout
 
-import _saver
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _saver  # noqa: E402  (the child's script: what each step holds)
+
 TRIALS = 36  # kills; fewer (never under MIN_TRIALS) when the machine is slow
 MIN_TRIALS = 24
 BUDGET_S = 60.0  # no trial starts after this, once MIN_TRIALS are done
