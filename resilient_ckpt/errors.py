@@ -46,3 +46,8 @@ class StorageError(CheckpointError, OSError):
 
 class SaveFailedError(CheckpointError, RuntimeError):
     """A background save failed; the step was not committed to that tier."""
+
+
+class RecoveryFailedError(CheckpointError, RuntimeError):
+    """The elastic loop gave up: its retry policy ran out of attempts or of time
+    waiting for healthy devices. The message lists every attempt."""

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import codec, layout
+from .hostmem import Region, host_buffer
 from .errors import CorruptCheckpointError, StorageError, TargetMismatchError
 from .manifest import ChunkRecord, LeafRecord, decode_scalar, path_str
 from .planner import blocks_for_rows, plan_target, rows_per_block
@@ -39,14 +40,6 @@ class RestoreRecord:
     chunks_by_tier: dict = dataclasses.field(default_factory=collections.Counter)
     served: dict = dataclasses.field(default_factory=dict)  # chunk key -> tier
     fallbacks: list = dataclasses.field(default_factory=list)
-
-
-def host_buffer(nbytes: int) -> np.ndarray:
-    """A fresh page-aligned buffer (huge pages where the kernel gives them)."""
-    m = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
 
 
 class ChunkReader:
@@ -150,6 +143,56 @@ class ChunkReader:
         self._from_tiers(c, where, read)
 
 
+    def stitched(self, box, plan, dtype: np.dtype) -> np.ndarray | None:
+        """The target box as one array mapped from RAM-tier chunk rows without a
+        copy, when it stacks whole rows of chunks (same trailing extent) at page
+        boundaries and every copy verifies; else None (and the caller copies)."""
+        pieces = sorted(plan.pieces, key=lambda p: p.dst[0].start if p.dst else 0)
+        if not pieces or not box[1]:
+            return None
+        picks = []
+        for p in pieces:
+            c = p.chunk
+            full = all(sl == slice(0, n) for sl, n in zip(p.src[1:], c.sizes[1:])) and \
+                tuple(c.sizes[1:]) == tuple(box[1][1:])
+            tier = next((t for t in self.choice.sources.get(c.key, ())
+                         if (t, c.key) not in self.bad), None)
+            if not full or c.codec != "raw" or rows_per_block(c) is None or tier is None \
+                    or self.storages[tier].kind != "ram":
+                return None
+            picks.append((p, tier))
+        total = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
+        region, dest = Region(total), 0
+        for p, tier in picks:
+            c = p.chunk
+            row = c.nbytes // c.sizes[0]
+            length = (p.src[0].stop - p.src[0].start) * row
+            if not self.storages[tier].place(f"{self.dir}/{c.key}", region,
+                                             p.src[0].start * row, dest, length):
+                return None
+            dest += length
+        for p, tier in picks:  # verify the blocks under every placed row
+            c, st = p.chunk, self.storages[tier]
+            key = f"{self.dir}/{c.key}"
+            view = st.map(key, c.nbytes)
+            nread = 0
+            for b0, b1 in blocks_for_rows(c, [(p.src[0].start, p.src[0].stop)]):
+                for b in range(b0, b1):
+                    blk = view[b * c.block_bytes:(b + 1) * c.block_bytes]
+                    nread += len(blk)
+                    if google_crc32c.value(blk) != c.block_crc32c[b]:
+                        self.bad.add((tier, c.key))
+                        self.record.fallbacks.append(
+                            f"step {self.choice.step}: chunk {c.key} from the {tier} tier "
+                            f"failed (crc32c mismatch in block {b} of {st.url}/{key}); "
+                            "trying the next copy")
+                        return None
+            self.record.bytes_by_tier[tier] += nread
+            self.record.chunks_by_tier[tier] += 1
+            self.record.served[c.key] = tier
+        return region.array().view(dtype).reshape(box[1])
+
+
 def _copy_rows(parts, rows: np.ndarray, r0: int) -> None:
     """Copies the rows [r0, r0 + len(rows)) that each part needs into its dst."""
     r1 = r0 + rows.shape[0]
@@ -232,6 +275,10 @@ def _host_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
         plan = plan_target(box, rec.chunks, where)
         if plan.single is not None:
             out[box] = reader.whole(plan.single, where, zero_copy).view(dtype).reshape(box[1])
+            continue
+        mapped = reader.stitched(box, plan, dtype) if zero_copy else None
+        if mapped is not None:
+            out[box] = mapped
             continue
         nbytes = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
         out[box] = host_buffer(nbytes).view(dtype).reshape(box[1])

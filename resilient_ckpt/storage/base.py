@@ -15,6 +15,11 @@ import numpy as np
 class Storage(abc.ABC):
     kind: str  # "ram", "local", "gcs": also the name used in records
     url: str
+    # Seen by every host of a job (GCS): cleanup and retention run on process 0 only.
+    shared: bool = False
+    # Listing a step costs requests here, so selection takes chunk sizes from the
+    # manifests and leaves presence and size to be checked when a chunk is read.
+    sizes_from_manifest: bool = False
 
     @abc.abstractmethod
     def put(self, key: str, data: memoryview) -> None:
@@ -27,6 +32,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
         """Fills `out` with bytes [offset, offset + len(out)) of `key`."""
+
+    def put_stream(self, key: str, opener, size: int | None) -> None:
+        """Writes what `opener()` (a fresh readable stream per call) yields, as
+        `put` does; backends that can upload in pieces keep memory bounded."""
+        with opener() as f:
+            data = f.read()
+        self.put(key, memoryview(data))
 
     def read(self, key: str) -> bytes:
         n = self.size(key)
@@ -43,6 +55,12 @@ class Storage(abc.ABC):
         reach storage (copy-on-write); else None."""
         return None
 
+    def place(self, key: str, region, file_offset: int, dest_offset: int,
+              length: int) -> bool:
+        """Maps object bytes into a hostmem.Region (copy-on-write, zero-copy)
+        where the backend can; False where it cannot."""
+        return False
+
     @abc.abstractmethod
     def size(self, key: str) -> int | None:
         """Byte size of an object, or None if it does not exist."""
@@ -50,6 +68,16 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Names directly under `prefix` (a directory or '' for the root)."""
+
+    def list_manifests(self, prefix: str) -> list[str]:
+        """The manifest names in a step directory (backends may list only those)."""
+        from ..layout import parse_manifest_name
+        return [n for n in self.list(prefix) if parse_manifest_name(n)]
+
+    def object_ages(self, prefix: str) -> dict[str, float] | None:
+        """Seconds since each object under `prefix` was written, where the backend
+        can tell (for collecting orphans no live writer may still be adding to)."""
+        return None
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
@@ -71,3 +99,6 @@ class Storage(abc.ABC):
 
     def end_write(self, prefix: str) -> None:
         """Drops the mark of `begin_write` (after the commit, or a failure)."""
+
+    def close(self) -> None:
+        """Releases connections and threads (the manager calls it at close)."""

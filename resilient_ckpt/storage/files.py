@@ -119,6 +119,21 @@ class FileStorage(Storage):
             os.close(fd)
         return np.frombuffer(m, dtype=np.uint8)
 
+    def place(self, key: str, region, file_offset: int, dest_offset: int,
+              length: int) -> bool:
+        if self.kind != "ram":  # see map(): disk files are copied, not mapped
+            return False
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except OSError as e:
+            raise self._err("open of", key, e) from e
+        try:
+            if os.fstat(fd).st_size < file_offset + length:
+                return False
+            return region.place(fd, file_offset, dest_offset, length)
+        finally:
+            os.close(fd)
+
     def size(self, key: str) -> int | None:
         try:
             return os.stat(self._path(key)).st_size

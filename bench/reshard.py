@@ -1,0 +1,230 @@
+"""Resharded restore: onto 4 and onto 6 devices, against same-sharding and Orbax.
+
+A train-state-like pytree saved on 8 CPU devices (mesh data=4 x model=2) is
+restored, interleaved within each repeat:
+- resilient_ckpt from the RAM tier and from the local tier (warm page cache):
+  onto the saved sharding ("same"), and onto a (2, 2) and a (3, 2) mesh;
+- orbax: its resharded restore of the same state from local disk (warm).
+Peak host memory of each case is measured apart, in a fresh process per case
+(VmHWM minus the resident set just before the restore), so that memory kept by
+allocators from earlier runs hides nothing: the promise "state plus the
+restore memory budget" can be read off directly.
+
+    python bench/reshard.py            # 1 GB and 4 GB, 3 repeats
+    python bench/reshard.py --quick    # 96 MB, 2 repeats
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions,  # noqa: E402
+                            LocalTier, RamTier)
+
+log = logging.getLogger("bench.reshard")
+BENCH = "reshard"
+SPEC = P("data", "model")
+
+
+def emit(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def build_state(total: int, mesh: Mesh) -> dict:
+    """params, mu, nu (Adam-like), rows a multiple of 48 so 8, 6 and 4 divide."""
+    per = total // 3
+    leaves = {}
+    rng = np.random.default_rng(0)
+    cols = 1024
+    sizes = [per // 2, per // 4, per // 8, per - per // 2 - per // 4 - per // 8]
+    for i, n in enumerate(sizes):
+        rows = max(48, (n // (cols * 4)) // 48 * 48)
+        leaves[f"layer{i}"] = rng.standard_normal((rows, cols), dtype=np.float32)
+    sh = NamedSharding(mesh, SPEC)
+    put = lambda t: {k: jax.device_put(v, sh) for k, v in t.items()}  # noqa: E731
+    return {"params": put(leaves), "mu": put({k: v * 0.1 for k, v in leaves.items()}),
+            "nu": put({k: v * v for k, v in leaves.items()}), "step": 7}
+
+
+def target_on(state, mesh: Mesh):
+    sh = NamedSharding(mesh, SPEC)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+                        if isinstance(x, jax.Array) else x, state)
+
+
+def nbytes(state) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+
+
+def rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def measured(fn):
+    """(seconds, peak bytes above the resident set before), the result dropped."""
+    gc.collect()
+    base = rss_kb("VmRSS")
+    t0 = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out)
+    dt = time.perf_counter() - t0
+    peak = (rss_kb("VmHWM") - base) * 1024
+    del out
+    gc.collect()
+    return dt, peak
+
+
+def peak_in_fresh_process(system: str, tier: str, target: str, ours_dir: str, ram: str,
+                          orbax_dir: str) -> int:
+    cmd = [sys.executable, __file__, "--peak", f"{system},{tier},{target}",
+           "--dirs", f"{ours_dir},{ram},{orbax_dir}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return int(json.loads(out.strip().splitlines()[-1])["peak_extra_bytes"])
+
+
+def peak_child(case: str, dirs: str) -> int:
+    """Runs one restore in this (fresh) process and prints its peak memory."""
+    system, tier, target = case.split(",")
+    ours_dir, ram, orbax_dir = dirs.split(",")
+    devs = np.array(jax.devices()[:8])
+    meshes = {"same": Mesh(devs.reshape(4, 2), ("data", "model")),
+              "onto4": Mesh(devs[:4].reshape(2, 2), ("data", "model")),
+              "onto6": Mesh(devs[:6].reshape(3, 2), ("data", "model"))}
+    with CheckpointManager(ours_dir, options=CheckpointManagerOptions(
+            cleanup_tmp_directories=False, read_only=True)) as m:
+        abstract = target_on(m.item_metadata(1), meshes[target])
+    if system == "orbax":
+        mgr = ocp.CheckpointManager(orbax_dir)
+    else:
+        tiers = [RamTier(path=ram)] if tier == "ram" else []
+        mgr = CheckpointManager(ours_dir, options=CheckpointManagerOptions(
+            tiers=tiers, cleanup_tmp_directories=False, read_only=True))
+    for _ in range(2):
+        gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    _, peak = measured(lambda: mgr.restore(1, args=ocp.args.StandardRestore(abstract)))
+    emit({"peak_extra_bytes": peak})
+    return 0
+
+
+def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
+    state = build_state(total, mesh8)
+    size = nbytes(state)
+    label = (f"{round(size / 1e9, 1)}gb".replace(".0gb", "gb") if size >= 1e9
+             else f"{size // 10**6}mb")
+    root = tempfile.mkdtemp(prefix="bench-reshard-")
+    ram = tempfile.mkdtemp(prefix="bench-reshard-", dir="/dev/shm")
+    ours_dir, orbax_dir = os.path.join(root, "ours"), os.path.join(root, "orbax")
+    try:
+        opts = CheckpointManagerOptions(tiers=[RamTier(path=ram), LocalTier()])
+        with CheckpointManager(ours_dir, options=opts) as m:
+            m.save(1, args=ocp.args.StandardSave(state))
+        with ocp.CheckpointManager(orbax_dir) as om:
+            om.save(1, args=ocp.args.StandardSave(state))
+        targets = {"same": target_on(state, mesh8),
+                   **{name: target_on(state, mm) for name, mm in meshes.items()}}
+        del state
+        gc.collect()
+        ram_only = CheckpointManager(ours_dir, options=CheckpointManagerOptions(
+            tiers=[RamTier(path=ram)], cleanup_tmp_directories=False))
+        local_only = CheckpointManager(ours_dir, options=CheckpointManagerOptions(
+            cleanup_tmp_directories=False))
+        orbax = ocp.CheckpointManager(orbax_dir)
+        cases = []
+        for tname, tgt in targets.items():
+            for tier, mgr in (("ram", ram_only), ("local", local_only)):
+                cases.append(("resilient_ckpt", f"{tier}_{tname}",
+                              lambda mgr=mgr, tgt=tgt: mgr.restore(
+                                  1, args=ocp.args.StandardRestore(tgt))))
+            if tname != "same":
+                cases.append(("orbax", f"local_{tname}",
+                              lambda tgt=tgt: orbax.restore(
+                                  1, args=ocp.args.StandardRestore(tgt))))
+        for _, _, fn in cases:  # warm-up: page cache, compiled helpers
+            measured(fn)
+        runs = {(s, c): ([], []) for s, c, _ in cases}
+        for r in range(repeats):
+            for s, c, fn in cases:
+                dt, _ = measured(fn)
+                runs[(s, c)][0].append(dt)
+                log.info("%s %s %s: %.3f s", label, s, c, dt)
+        ram_only.close()
+        local_only.close()
+        orbax.close()
+        for s, c, _ in cases:
+            tier, tname = c.split("_")
+            peak = peak_in_fresh_process(s, tier, tname, ours_dir, ram, orbax_dir)
+            runs[(s, c)][1].append(peak)
+            log.info("%s %s %s: peak +%.0f MB in a fresh process", label, s, c, peak / 1e6)
+        med = {}
+        for (s, c), (ts, peaks) in runs.items():
+            med[(s, c)] = statistics.median(ts)
+            emit({"bench": BENCH, "system": s, "case": c, "bytes": size, "devices": 8,
+                  "runs_s": [round(t, 4) for t in ts], "median_s": round(med[(s, c)], 4),
+                  "peak_extra_bytes": max(peaks),
+                  "peak_extra_vs_state": round(max(peaks) / size, 3)})
+        summary = {}
+        for name in meshes:
+            for tier in ("ram", "local"):
+                summary[f"{tier}_{name}_vs_same_{label}"] = round(
+                    med[("resilient_ckpt", f"{tier}_{name}")] / med[("resilient_ckpt", f"{tier}_same")], 3)
+            summary[f"restore_ram_{name}_speedup_vs_orbax_local_{label}"] = round(
+                med[("orbax", f"local_{name}")] / med[("resilient_ckpt", f"ram_{name}")], 2)
+            summary[f"restore_local_{name}_speedup_vs_orbax_local_{label}"] = round(
+                med[("orbax", f"local_{name}")] / med[("resilient_ckpt", f"local_{name}")], 2)
+        return summary
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="96 MB, 2 repeats")
+    ap.add_argument("--sizes", default="1e9,4e9", help="state bytes, comma separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peak", help=argparse.SUPPRESS)  # internal: one case, fresh process
+    ap.add_argument("--dirs", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.peak:
+        return peak_child(a.peak, a.dirs)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    sizes = [96_000_000] if a.quick else [int(float(s)) for s in a.sizes.split(",")]
+    repeats = 2 if a.quick else a.repeats
+    devs = np.array(jax.devices()[:8])
+    mesh8 = Mesh(devs.reshape(4, 2), ("data", "model"))
+    meshes = {"onto4": Mesh(devs[:4].reshape(2, 2), ("data", "model")),
+              "onto6": Mesh(devs[:6].reshape(3, 2), ("data", "model"))}
+    summary = {}
+    for s in sizes:
+        summary.update(run_size(s, repeats, mesh8, meshes))
+    emit({"bench": BENCH, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Host memory for restores: fresh buffers, and regions stitched from files.
+
+`host_buffer` gives a fresh page-aligned buffer, backed by huge pages and
+populated by the kernel in one call where it can (first touch of fresh memory
+is the slowest step of a restore on these machines). `Region` reserves an
+address range and maps row ranges of several RAM-tier files into it side by
+side, copy-on-write, so a target shard that stacks whole rows of several saved
+chunks (a smaller data axis after a failure) becomes one array without copying.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import weakref
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; ignored where unknown
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+
+
+def host_buffer(nbytes: int) -> np.ndarray:
+    """A fresh, page-aligned uint8 buffer of `nbytes`."""
+    m = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    if nbytes >= 1 << 20:
+        try:
+            m.madvise(_MADV_POPULATE_WRITE)
+        except OSError:
+            pass
+    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
+
+
+class Region:
+    """An address range filled by `place` with copy-on-write file mappings.
+
+    Every placement but the last must start and end on a page boundary. The
+    region is unmapped when the array from `array()` (and all views of it, a
+    jax array aliasing it included) is gone.
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.size = -(-max(nbytes, 1) // PAGE) * PAGE
+        addr = _libc.mmap(None, self.size, 0,  # PROT_NONE until placed
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "could not reserve address space")
+        self.addr = addr
+        self._buf = (ctypes.c_uint8 * self.size).from_address(addr)
+        weakref.finalize(self._buf, _libc.munmap, addr, self.size)
+
+    def place(self, fd: int, file_offset: int, dest_offset: int, length: int) -> bool:
+        """Maps file bytes [file_offset, +length) at dest_offset; False if the
+        offsets are not page aligned or the kernel refuses."""
+        if file_offset % PAGE or dest_offset % PAGE or dest_offset + length > self.nbytes:
+            return False
+        if (dest_offset + length) % PAGE and dest_offset + length != self.nbytes:
+            return False
+        got = _libc.mmap(self.addr + dest_offset, -(-length // PAGE) * PAGE,
+                         mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED,
+                         fd, file_offset)
+        return got == self.addr + dest_offset
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self._buf, dtype=np.uint8)[:self.nbytes]
