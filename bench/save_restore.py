@@ -579,6 +579,10 @@ def ratios(m: dict[tuple[str, str], float], label: str) -> dict[str, float]:
         "restore_ram_vs_limit_host_copy": q((ours, "restore_ram"), (lim, "host_copy")),
         "save_blocking_vs_limit": q((ours, "save_blocking"), (lim, "host_copy")),
         "orbax_save_blocking_vs_limit": q((orb, "save_blocking"), (lim, "host_copy")),
+        "save_blocking_vs_limit_pretouched": q((ours, "save_blocking"),
+                                               (lim, "host_copy_pretouched")),
+        "orbax_save_blocking_vs_limit_pretouched": q((orb, "save_blocking"),
+                                                     (lim, "host_copy_pretouched")),
         # bandwidth ratios (limit time / our time): 1 is the limit, < 1 slower
         "save_local_vs_limit": q((lim, "disk_write_fsync"), (ours, "save_tier_local")),
         "save_local_end_to_end_vs_limit": q((lim, "disk_write_fsync"), (ours, "save_total")),
@@ -617,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking restored values against the state (first repeat)")
     ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
+    ap.add_argument("--summarize", metavar="JSONL", default=None,
+                    help="measure nothing: read the lines of an earlier run from this file "
+                         "and print them and the summary again (with --plot, plot them)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
@@ -630,7 +637,17 @@ def main(argv: list[str] | None = None) -> int:
     devs = np.array(jax.devices()[:8]).reshape(4, 2)
     mesh = Mesh(devs, ("data", "model"))
     summary: dict = {}
-    for n in sizes:
+    if args.summarize:
+        by_size: dict[str, dict] = {}
+        with open(args.summarize) as f:
+            for ln in (json.loads(x) for x in f if x.strip().startswith("{")):
+                if ln.get("bench") == BENCH and "case" in ln:
+                    emit(ln)
+                    by_size.setdefault(ln["size"], {})[(ln["system"], ln["case"])] = \
+                        ln["median_s"]
+        for label, medians in by_size.items():
+            summary.update(ratios(medians, label))
+    for n in sizes if not args.summarize else []:
         medians = run_size(n, repeats, args, mesh)
         summary.update(ratios(medians, size_label(n)))
     final = {"bench": BENCH, "summary": summary, "goals_met": goals_met(summary),

@@ -370,7 +370,8 @@ class Elastic:
         self._choose = choose_mesh or functools.partial(shrink_data_axis, data_axis=data_axis)
         if health_check is None:
             health_check = HealthCheck()
-            health_check.prepare(list(mesh.devices.flat))
+        if isinstance(health_check, HealthCheck):
+            health_check.prepare(list(mesh.devices.flat))  # compile now, not when recovering
         self._health = health_check
         self._rescale_every_s = rescale_every_s
         self._clear_caches = clear_caches
