@@ -99,6 +99,18 @@ class FileStorage(Storage):
         finally:
             os.close(fd)
 
+    def _with_fd(self, key: str, need: int, fn):
+        """fn(fd) on the object opened read-only, or None if it is shorter than
+        `need` bytes (a truncated object is a missing copy, not an error)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except OSError as e:
+            raise self._err("open of", key, e) from e
+        try:
+            return fn(fd) if os.fstat(fd).st_size >= need else None
+        finally:
+            os.close(fd)
+
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
         # Only the RAM tier: its pages are memory already, and since objects are
         # replaced by rename and never written in place, a private mapping keeps
@@ -106,33 +118,16 @@ class FileStorage(Storage):
         # pin deleted blocks and page the state in from disk, so it is copied.
         if self.kind != "ram" or nbytes == 0:
             return None
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except OSError as e:
-            raise self._err("open of", key, e) from e
-        try:
-            if os.fstat(fd).st_size != nbytes:
-                return None
-            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE,
-                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return np.frombuffer(m, dtype=np.uint8)
+        m = self._with_fd(key, nbytes, lambda fd: mmap.mmap(
+            fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        return None if m is None else np.frombuffer(m, dtype=np.uint8)
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
         if self.kind != "ram":  # see map(): disk files are copied, not mapped
             return False
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except OSError as e:
-            raise self._err("open of", key, e) from e
-        try:
-            if os.fstat(fd).st_size < file_offset + length:
-                return False
-            return region.place(fd, file_offset, dest_offset, length)
-        finally:
-            os.close(fd)
+        return bool(self._with_fd(key, file_offset + length, lambda fd: region.place(
+            fd, file_offset, dest_offset, length)))
 
     def size(self, key: str) -> int | None:
         try:
