@@ -46,8 +46,9 @@ def plot_save_restore(lines: list[dict], summary: dict | None, out: str) -> None
                     color=[COLORS.get(s, "k") for s, _ in present], capsize=2)
             ax.set_yticks(range(len(present)), labels, fontsize=8)
             ax.invert_yaxis()
-            for i, m in enumerate(med):
-                ax.text(m, i, f" {m:.2f}s", va="center", fontsize=7)
+            for i, (m, h) in enumerate(zip(med, hi)):
+                ax.text(m + h, i, f"  {m:.2f}s", va="center", fontsize=7)
+            ax.set_xlim(0, max(m + h for m, h in zip(med, hi)) * 1.15 if med else 1)
             ax.set_xlabel("seconds (median, whiskers: min-max)")
             ax.set_title(f"{title}, {nbytes / 1e9:.2f} GB state, 8 CPU devices", fontsize=10)
     fig.suptitle("bench/save_restore.py: resilient_ckpt vs orbax vs the machine's limits "

@@ -28,8 +28,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 
 
-def host_buffer(nbytes: int) -> np.ndarray:
-    """A fresh, page-aligned uint8 buffer of `nbytes`."""
+def host_mmap(nbytes: int) -> mmap.mmap:
+    """Fresh anonymous memory of at least `nbytes`, populated where it is big."""
     m = mmap.mmap(-1, max(nbytes, 1))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
@@ -38,7 +38,12 @@ def host_buffer(nbytes: int) -> np.ndarray:
             m.madvise(_MADV_POPULATE_WRITE)
         except OSError:
             pass
-    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
+    return m
+
+
+def host_buffer(nbytes: int) -> np.ndarray:
+    """A fresh, page-aligned uint8 buffer of `nbytes`."""
+    return np.frombuffer(host_mmap(nbytes), dtype=np.uint8)[:nbytes]
 
 
 class Region:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from . import layout
+from .hostmem import host_mmap
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, encode_scalar
 from .planner import block_bytes_for, unique_boxes
 from .pytree import flatten, leaf_kind
@@ -44,10 +45,7 @@ class HostPool:
                 m = min(fits, key=len)
                 self._free.remove(m)
                 return m
-        m = mmap.mmap(-1, max(nbytes, 1))
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            m.madvise(mmap.MADV_HUGEPAGE)
-        return m
+        return host_mmap(nbytes)  # populated in one call, not page by page
 
     def give(self, m: mmap.mmap) -> None:
         with self._lock:
