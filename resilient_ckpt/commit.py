@@ -13,12 +13,14 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import time
+from typing import Callable
 
-from . import layout, manifest as mf
+from . import layout, manifest as mf, transfer
 from .errors import CorruptCheckpointError, StepAlreadyExistsError
 from .selection import TierStep
 from .snapshot import Snapshot
 from .storage.base import Storage
+from .transfer import Encoding
 
 log = logging.getLogger("resilient_ckpt")
 
@@ -33,50 +35,125 @@ class TierWrite:
     seconds: float
     bytes: int
     error: str | None = None
+    source: str | None = None  # where the bytes came from: "host snapshot", or tier names
+    stored_bytes: int | None = None  # bytes as stored (after the codec)
 
 
 def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Snapshot,
-               header: dict, io: cf.Executor) -> TierWrite:
+               header: dict, io: cf.Executor, encoding: Encoding | None = None,
+               on_commit: Callable[[mf.Manifest], None] | None = None) -> TierWrite:
     """Writes `snap` to `storage` and commits it; raises on failure, after
     removing what it wrote (never anything committed)."""
-    t0 = time.perf_counter()
-    d = naming.name(snap.step)
-    storage.begin_write(d)
-    written: list[str] = []
-    try:
-        def put(i: int) -> str:
-            c = snap.chunks[i]
-            snap.crc(i)
-            storage.put(f"{d}/{c.key}", c.data)
-            return c.key
+    enc = encoding or Encoding()
 
-        futures = [io.submit(put, i) for i in range(len(snap.chunks))]
-        errors = []
+    def put(i: int) -> mf.ChunkRecord:
+        c = snap.chunks[i]
+        snap.crc(i)
+        rec = _snap_record(c)
+        if enc.codec == "raw":
+            storage.put(f"{d}/{c.key}", c.data)
+            return rec
+        return transfer.store(storage, f"{d}/{c.key}", transfer.MemorySource(c.data), rec, enc)
+
+    d = naming.name(snap.step)
+
+    def manifest(stored: dict) -> mf.Manifest:
+        return mf.Manifest(step=snap.step, save_id=snap.save_id,
+                           items=_with_stored(snap.manifest_items(), stored), **header)
+    keys = [c.key for c in snap.chunks]
+    return _commit(storage, tier, snap.step, d, keys, [(put, i) for i in range(len(keys))],
+                   manifest, io, on_commit, "host snapshot")
+
+
+def copy_step(storage: Storage, tier: str, naming: layout.StepNaming, m: mf.Manifest,
+              sources: list[tuple[str, Storage]], io: cf.Executor, encoding: Encoding,
+              on_commit: Callable[[mf.Manifest], None] | None = None) -> TierWrite:
+    """Copies one process's committed step `m` from the first of `sources`
+    (tier name, storage) whose copy of each chunk verifies, encoding on the way,
+    and commits it to `storage` under the same save; raises on failure, after
+    removing what it wrote. The devices are not read again."""
+    d = naming.name(m.step)
+    chunks = [c for _, _, c in m.chunks()]
+    for c in chunks:
+        if c.codec != "raw":
+            raise CorruptCheckpointError(f"step {m.step}: chunk {c.key} is stored as "
+                                         f"{c.codec} in {sources[0][0]}; copies are made "
+                                         "from raw copies only")
+    used: set[str] = set()
+
+    def put(c: mf.ChunkRecord) -> mf.ChunkRecord:
+        srcs = [transfer.TierSource(st, f"{d}/{c.key}", c.nbytes) for _, st in sources]
+        rec, i = transfer.store_first(storage, f"{d}/{c.key}", srcs, c, encoding)
+        used.add(sources[i][0])
+        return rec
+
+    def manifest(stored: dict) -> mf.Manifest:
+        return dataclasses.replace(m, items=_with_stored(m.items, stored))
+    tw = _commit(storage, tier, m.step, d, [c.key for c in chunks], [(put, c) for c in chunks],
+                 manifest, io, on_commit, None)
+    return dataclasses.replace(tw, source="+".join(n for n, _ in sources if n in used) or None)
+
+
+def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], jobs: list,
+            manifest: Callable[[dict], mf.Manifest], io: cf.Executor,
+            on_commit: Callable[[mf.Manifest], None] | None, source: str | None) -> TierWrite:
+    """Runs the chunk jobs on `io`, then commits the manifest create-only."""
+    t0 = time.perf_counter()
+    storage.begin_write(d)
+    try:
+        futures = [io.submit(fn, arg) for fn, arg in jobs]
+        stored, errors = {}, []
         for f in futures:
             try:
-                written.append(f.result())
+                rec = f.result()
+                stored[rec.key] = rec
             except BaseException as e:  # noqa: BLE001 - collected and re-raised
                 errors.append(e)
         if errors:
             raise errors[0]
         storage.flush(d)
-        m = mf.Manifest(step=snap.step, save_id=snap.save_id, items=snap.manifest_items(),
-                        **header)
-        if not storage.put_if_absent(f"{d}/{layout.manifest_name(m.process_index, m.process_count)}",
-                                     mf.to_json(m)):
+        m = manifest(stored)
+        name = layout.manifest_name(m.process_index, m.process_count)
+        if not storage.put_if_absent(f"{d}/{name}", mf.to_json(m)):
             raise StepAlreadyExistsError(
-                f"step {snap.step} was committed to the {tier} tier ({storage.url}/{d}) "
+                f"step {step} was committed to the {tier} tier ({storage.url}/{d}) "
                 "by another writer first; this save of it was dropped")
     except BaseException:
-        for key in written:
-            try:
-                storage.delete(f"{d}/{key}")
-            except OSError:
-                log.warning("could not remove %s/%s/%s after a failed save", storage.url, d, key)
+        _remove(storage, d, keys)
         storage.end_write(d)
         raise
     storage.end_write(d)
-    return TierWrite(tier, snap.step, True, time.perf_counter() - t0, snap.nbytes)
+    if on_commit is not None:
+        on_commit(m)
+    return TierWrite(tier, step, True, time.perf_counter() - t0, m.nbytes, source=source,
+                     stored_bytes=sum(r.stored_nbytes for r in stored.values()))
+
+
+def _remove(storage: Storage, d: str, keys: list[str]) -> None:
+    """Removes a failed save's chunks (its keys carry its own save id, so nothing
+    of another save is touched). Any chunk may have landed, even one whose put
+    reported a failure, so all are tried; the first failure stops it (the rest
+    are orphans that cleanup collects) so a dead network does not hold the
+    worker for one retry deadline per chunk."""
+    for key in keys:
+        try:
+            storage.delete(f"{d}/{key}")
+        except OSError as e:
+            log.warning("could not remove %s/%s/%s after a failed save (%s); later cleanup "
+                        "removes it", storage.url, d, key, e)
+            return
+
+
+def _snap_record(c) -> mf.ChunkRecord:
+    n = int(c.data.nbytes)
+    return mf.ChunkRecord(c.offsets, c.sizes, c.key, n, n, c.crc, "raw", c.block_bytes, c.blocks)
+
+
+def _with_stored(items: tuple, stored: dict) -> tuple:
+    """Item records whose chunks are replaced by their records as stored."""
+    return tuple(dataclasses.replace(it, leaves=tuple(
+        dataclasses.replace(lf, chunks=tuple(stored.get(c.key, c) for c in lf.chunks))
+        for lf in it.leaves)) for it in items)
 
 
 def read_manifests(storage: Storage, d: str, names: list[str]) -> tuple:
@@ -99,9 +176,20 @@ def read_manifests(storage: Storage, d: str, names: list[str]) -> tuple:
     return tuple(out)
 
 
+def tier_step(tier: str, manifests: tuple) -> TierStep:
+    """A view of one step in a tier whose chunk sizes are taken from the
+    manifests (checked when read), as for GCS, where asking costs requests."""
+    sizes = {c.key: c.stored_nbytes for m in manifests if isinstance(m, mf.Manifest)
+             for _, _, c in m.chunks()}
+    return TierStep(tier, tuple(manifests), sizes)
+
+
 def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int
                  ) -> TierStep | None:
     d = naming.name(step)
+    if storage.sizes_from_manifest:
+        manifests = read_manifests(storage, d, storage.list_manifests(d))
+        return tier_step(tier, manifests) if manifests else None
     names = storage.list(d)
     manifests = read_manifests(storage, d, names)
     if not manifests:
@@ -116,16 +204,19 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
 
 
 def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int, TierStep]:
-    """Every step of a tier that has at least one manifest (valid or not)."""
-    out = {}
-    for name in storage.list(""):
-        step = naming.parse(name)
-        if step is None:
-            continue
-        ts = observe_step(storage, tier, naming, step)
-        if ts is not None:
-            out[step] = ts
-    return out
+    """Every step of a tier that has at least one manifest (valid or not).
+
+    A remote tier is observed with one listing of its step directories and,
+    per step, one listing of that step's manifests and a read of each, several
+    steps at once: never a listing of every object.
+    """
+    steps = sorted(s for s in map(naming.parse, storage.list("")) if s is not None)
+    if storage.shared and len(steps) > 1:
+        with cf.ThreadPoolExecutor(min(8, len(steps)), thread_name_prefix="rc-observe") as ex:
+            views = list(ex.map(lambda s: observe_step(storage, tier, naming, s), steps))
+    else:
+        views = [observe_step(storage, tier, naming, s) for s in steps]
+    return {s: ts for s, ts in zip(steps, views) if ts is not None}
 
 
 def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
@@ -158,12 +249,37 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     return removed
 
 
+def collect_orphans(storage: Storage, naming: layout.StepNaming, min_age_s: float
+                    ) -> list[str]:
+    """Removes our chunks from step directories that hold no manifest, once
+    every object there is at least `min_age_s` old; returns what it removed.
+
+    For shared storage (GCS), where no writer marker can tell a dead writer
+    from a live one on another host: age does. A save still uploading writes
+    objects more often than `min_age_s`, so it is never touched; a crashed
+    save or a half-finished deletion (manifests go first) leaves objects that
+    only age. Only names this package writes for chunks are removed.
+    """
+    removed = []
+    for name in storage.list(""):
+        if naming.parse(name) is None or storage.list_manifests(name):
+            continue
+        ages = storage.object_ages(name)
+        if not ages or min(ages.values()) < min_age_s:
+            continue
+        for n in ages:
+            # chunks, and the parts a composed upload left behind (<chunk>.part...)
+            if layout.is_chunk_name(n.split(".part", 1)[0]):
+                storage.delete(f"{name}/{n}")
+                removed.append(f"{name}/{n}")
+    return removed
+
+
 def delete_step(storage: Storage, naming: layout.StepNaming, step: int) -> None:
     """Deletes manifests first, so a crash part-way never leaves a step that
     looks committed and is not; the rest is removed after (or by `cleanup`)."""
     d = naming.name(step)
-    for n in storage.list(d):
-        if layout.parse_manifest_name(n):
-            storage.delete(f"{d}/{n}")
+    for n in storage.list_manifests(d):
+        storage.delete(f"{d}/{n}")
     storage.flush(d)
     storage.delete_dir(d)

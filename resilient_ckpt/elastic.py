@@ -1,11 +1,11 @@
 """The elastic loop: survive lost devices in-process, and scale back up.
 
 This module owns what happens between "a step raised" and "the next step
-completed": classifying the failure (`is_recoverable`), checking which devices
-still compute (`HealthCheck`), choosing the mesh to go on with
-(`shrink_data_axis`), restoring the last viable step onto it through the
-`CheckpointManager`, re-entering the user's training function, and the record
-of each event (`RecoveryEvent`, `format_timeline`).
+completed": with the verdict and the health check of `failures`, it chooses
+the mesh to go on with (`shrink_data_axis`), restores the last viable step onto
+it through the `CheckpointManager`, re-enters the user's training function,
+builds programs for likely meshes ahead of time, grows the mesh back, and
+keeps the record of each event (`RecoveryEvent`, `format_timeline`).
 
 The user's loop stays a plain loop inside one function that takes the mesh:
 
@@ -32,6 +32,7 @@ the classifier also knows multi-controller failures.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import functools
 import logging
@@ -44,85 +45,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .errors import RecoveryFailedError
+from .failures import HealthCheck, describe_error, first_line, is_recoverable, warm_up
 
 log = logging.getLogger("resilient_ckpt.elastic")
-
-# The Pathways slice-down family (pathwaysutils/elastic/elastic.py): DATA_LOSS for
-# sure; the others may or may not be a lost slice, and are treated as one with a
-# warning. Used only when pathwaysutils is not installed; otherwise it decides.
-_SLICE_DOWN = ("DATA_LOSS",)
-_MAYBE_SLICE_DOWN = ("DEADLINE_EXCEEDED", "NOT_FOUND", "INTERNAL")
-# Gloo (the CPU collectives of multi-controller JAX) reports a dead peer as
-# "UNKNOWN: Gloo all-reduce failed ... Connection closed by peer".
-_GLOO_PEER_LOSS = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused",
-                   "Timed out", "timed out")
-
-
-# ------------------------------------------------------------------ classification
-
-def is_recoverable(exc: BaseException) -> bool:
-    """True when `exc` means devices or hosts were lost, so recovering onto the
-    devices that are left makes sense; False for anything else (a bug: re-raise).
-
-    Recoverable: a `jax.errors.JaxRuntimeError` of the Pathways slice-down family
-    (its text has DATA_LOSS; or DEADLINE_EXCEEDED, NOT_FOUND, INTERNAL, with a
-    warning), decided by pathwaysutils' `is_error_due_to_slice_down` where it is
-    installed; the device loss injected by `resilient_ckpt.testing.faults` (a
-    DATA_LOSS error); a multi-controller `ProcessFailureError`
-    (`jax.experimental.multihost_utils.live_devices`); a gloo collective that
-    lost its peer. Only `exc` itself is looked at, not its cause or context.
-    """
-    if _is_process_failure(exc):
-        return True
-    if not isinstance(exc, jax.errors.JaxRuntimeError):
-        return False
-    text = str(exc)
-    if "Gloo" in text and any(p in text for p in _GLOO_PEER_LOSS):
-        return True
-    pathways = _pathways_rule()
-    if pathways is not None:
-        return bool(pathways(exc, log_traceback=False))
-    if any(k in text for k in _SLICE_DOWN):
-        return True
-    if any(k in text for k in _MAYBE_SLICE_DOWN):
-        log.warning("treating %s as a lost device (it may also be a bug): %s",
-                    type(exc).__name__, _first_line(text))
-        return True
-    return False
-
-
-@functools.cache
-def _pathways_rule() -> Callable[..., bool] | None:
-    """pathwaysutils' slice-down test, or None where it is not installed."""
-    try:
-        from pathwaysutils.elastic import elastic as pathways_elastic
-        return pathways_elastic.is_error_due_to_slice_down
-    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-        log.debug("pathwaysutils not usable (%s); using the built-in slice-down rule", e)
-        return None
-
-
-def _is_process_failure(exc: BaseException) -> bool:
-    try:
-        from jax.experimental.multihost_utils import ProcessFailureError
-    except ImportError:  # an older jax without live_devices
-        return False
-    return isinstance(exc, ProcessFailureError)
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {_first_line(str(exc))}"
 
 
 # ------------------------------------------------------------------ policy
 
 @dataclasses.dataclass(frozen=True)
-class RetryPolicy:
+class RecoveryPolicy:
     """How hard the loop tries before it gives up with RecoveryFailedError.
 
     `max_attempts`: recoveries in a row without a completed step in between (a
@@ -145,75 +76,6 @@ class RetryPolicy:
             raise ValueError("max_wait_s must be >= 0, poll_s and health_timeout_s > 0")
         if self.min_devices < 1:
             raise ValueError(f"min_devices must be at least 1, got {self.min_devices}")
-
-
-# ------------------------------------------------------------------ health
-
-def _plus_one(x):
-    return x + 1
-
-
-class HealthCheck:
-    """Runs `x + 1` on each device, each in its own thread, with a timeout.
-
-    The tiny program is compiled once per device, ahead of time, and held here,
-    so the check stays a few milliseconds even right after `jax.clear_caches()`
-    (a fresh jit per device costs ~70 ms each on these CPUs). `prepare` compiles
-    for devices up front, off the recovery path. A device is healthy when its
-    answer is right within the timeout; `last_errors` says why the others are not.
-    """
-
-    def __init__(self):
-        self._compiled: dict[jax.Device, Any] = {}
-        self._lock = threading.Lock()
-        self.last_errors: dict[int, str] = {}
-
-    def prepare(self, devices: Collection[jax.Device]) -> None:
-        for d in devices:
-            self._executable(d)
-
-    def _executable(self, device: jax.Device) -> Any:
-        with self._lock:
-            exe = self._compiled.get(device)
-        if exe is None:
-            spec = jax.ShapeDtypeStruct((), np.int32,
-                                        sharding=jax.sharding.SingleDeviceSharding(device))
-            exe = jax.jit(_plus_one).lower(spec).compile()
-            with self._lock:
-                self._compiled[device] = exe
-        return exe
-
-    def probe(self, device: jax.Device) -> None:
-        """Raises unless `device` computes 41 + 1 correctly."""
-        out = int(self._executable(device)(jax.device_put(np.int32(41), device)))
-        if out != 42:
-            raise RuntimeError(f"device {device.id} computed 41 + 1 = {out}")
-
-    def __call__(self, devices: Collection[jax.Device], timeout_s: float) -> frozenset:
-        devices = list(devices)
-        errors: dict[int, str] = {}
-        ok: set = set()
-
-        def run(d: jax.Device) -> None:
-            try:
-                self.probe(d)
-                ok.add(d)
-            except Exception as e:  # noqa: BLE001 - any failure makes the device unhealthy
-                errors[d.id] = _describe(e)
-
-        threads = [threading.Thread(target=run, args=(d,), daemon=True,
-                                    name=f"rc-health-{d.id}") for d in devices]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout_s
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        healthy = frozenset(d for d in devices if d in ok)
-        for d in devices:
-            if d not in healthy and d.id not in errors:
-                errors[d.id] = f"no answer within {timeout_s:g} s"
-        self.last_errors = dict(errors)
-        return healthy
 
 
 # ------------------------------------------------------------------ the mesh
@@ -254,10 +116,12 @@ class RecoveryEvent:
     Times are seconds: `detect_s` from the fault (its `fault_time` when the
     exception carries one, as injected faults do; otherwise the end of the last
     completed step, an upper bound) to the exception reaching the loop;
-    `health_s` the health checks (and any waiting for devices); `restore_s`
-    choosing and restoring the step; `resume_s` from the restore to the first
-    completed step (re-jit and compile included); `total_s` from the fault to
-    that step. `steps_lost`: completed steps that must be recomputed.
+    `health_s` the health checks (and any waiting for devices), dropping the
+    lost arrays and caches; `rebuild_s` from then to the call of `restore`
+    (the function's own set-up: jit, or waiting for a program being built
+    ahead); `restore_s` choosing and restoring the step; `resume_s` from the
+    restore to the first completed step (a compile, if the step is not
+    compiled yet); `total_s` from the fault to that step. `steps_lost`: completed steps that must be recomputed.
     """
 
     kind: str                      # "failure" or "scale_up"
@@ -273,6 +137,7 @@ class RecoveryEvent:
     steps_lost: int | None = None
     detect_s: float | None = None
     health_s: float | None = None
+    rebuild_s: float | None = None
     restore_s: float | None = None
     resume_s: float | None = None
     total_s: float | None = None
@@ -290,12 +155,10 @@ class RecoveryEvent:
                     f"{len(self.devices_after)} devices")
         else:
             what = (f"attempt {self.attempt}, {where} failed ({self.error}); "
-                    f"{len(self.devices_before) - len(self.lost_devices)}/"
-                    f"{len(self.devices_before)} devices healthy")
-            if self.lost_devices:
-                what += f", lost {list(self.lost_devices)}"
+                    f"unhealthy devices {list(self.lost_devices)}")
             if self.mesh_after:
-                what += f"; mesh {_shape_str(self.mesh_after)}"
+                what += (f"; mesh {_shape_str(self.mesh_after)} "
+                         f"({len(self.devices_after)} devices)")
         if self.restored_step is not None:
             what += f"; restored step {self.restored_step} from {_tiers_str(self.restored_from)}"
         return f"{what}; {self.outcome}"
@@ -318,7 +181,8 @@ def format_timeline(events: Sequence[RecoveryEvent]) -> str:
         return "-" if x is None else f"{x * 1e3:.0f}"
 
     head = ("#", "event", "step", "devices", "mesh after", "detect ms", "health ms",
-            "restore ms", "restored (tiers)", "resume ms", "total ms", "lost", "outcome")
+            "rebuild ms", "restore ms", "restored (tiers)", "resume ms", "total ms", "lost",
+            "outcome")
     rows = [head]
     for i, e in enumerate(events, 1):
         restored = ("-" if e.restored_step is None
@@ -326,11 +190,84 @@ def format_timeline(events: Sequence[RecoveryEvent]) -> str:
         rows.append((str(i), e.kind, str(e.step),
                      f"{len(e.devices_before)}->{len(e.devices_after) or '?'}",
                      _shape_str(e.mesh_after), ms(e.detect_s), ms(e.health_s),
-                     ms(e.restore_s), restored, ms(e.resume_s), ms(e.total_s),
+                     ms(e.rebuild_s), ms(e.restore_s), restored, ms(e.resume_s), ms(e.total_s),
                      "-" if e.steps_lost is None else str(e.steps_lost),
-                     _first_line(e.outcome, 40)))
+                     first_line(e.outcome, 40)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# ------------------------------------------------------------------ programs
+
+def _mesh_key(mesh: Mesh) -> tuple:
+    return (tuple(mesh.axis_names), mesh.devices.shape, tuple(d.id for d in mesh.devices.flat))
+
+
+class _Programs:
+    """What `build(mesh)` returned, per mesh; built ahead of time in a
+    background thread where asked, so the compile leaves the recovery path."""
+
+    def __init__(self, build: Callable[[Mesh], Any]):
+        self._build = build
+        self._lock = threading.Lock()
+        self._futures: dict[tuple, cf.Future] = {}
+
+    def start(self, meshes: Sequence[Mesh]) -> None:
+        """Builds, one after the other in a background thread, those not yet
+        built. Not a daemon: interpreter exit waits for a compile in flight
+        rather than killing it inside XLA."""
+        todo = []
+        with self._lock:
+            for m in meshes:
+                if _mesh_key(m) not in self._futures:
+                    self._futures[_mesh_key(m)] = fut = cf.Future()
+                    todo.append((m, fut))
+        if not todo:
+            return
+
+        def work() -> None:
+            for m, fut in todo:
+                t0 = time.perf_counter()
+                try:
+                    fut.set_result(self._build(m))
+                    log.info("elastic: built the program for mesh %s ahead of time in %.2f s",
+                             dict(m.shape), time.perf_counter() - t0)
+                except BaseException as e:  # noqa: BLE001 - handed to whoever asks for it
+                    fut.set_exception(e)
+        threading.Thread(target=work, name="rc-precompile").start()
+
+    def done(self, mesh: Mesh) -> bool:
+        """Not being built: built, failed (then `get` builds again, and raises,
+        in the caller's thread), or never asked for."""
+        with self._lock:
+            fut = self._futures.get(_mesh_key(mesh))
+        return fut is None or fut.done()
+
+    def get(self, mesh: Mesh) -> Any:
+        """The program for `mesh`: waits for one being built, else builds it now."""
+        key = _mesh_key(mesh)
+        with self._lock:
+            fut = self._futures.get(key)
+        if fut is not None:
+            try:
+                return fut.result()
+            except Exception as e:  # noqa: BLE001 - build again in this thread, and raise here
+                log.warning("elastic: building ahead for mesh %s failed (%s); building again",
+                            dict(mesh.shape), describe_error(e))
+        program = self._build(mesh)
+        done: cf.Future = cf.Future()
+        done.set_result(program)
+        with self._lock:
+            self._futures[key] = done
+        return program
+
+    def drop(self, lost_ids: Collection[int]) -> None:
+        """Forgets the programs of meshes with a lost device (their executables
+        name it), as jax.clear_caches() does for jit's own cache."""
+        lost = set(lost_ids)
+        with self._lock:
+            for key in [k for k in self._futures if lost.intersection(k[2])]:
+                del self._futures[key]
 
 
 # ------------------------------------------------------------------ the loop
@@ -348,17 +285,29 @@ class Elastic:
     full mesh. `choose_mesh(healthy_devices, full_mesh) -> Mesh | None` decides
     the mesh to go on with (default `shrink_data_axis` on `data_axis`; None means
     "not enough devices yet: wait"). `health_check(devices, timeout_s) -> healthy
-    devices` (default a `HealthCheck`). Lost devices are re-checked at save
-    points every `rescale_every_s` seconds, or at the next save point after
+    devices` (default a `HealthCheck`). Devices missing from the mesh are
+    re-checked every `rescale_every_s` seconds, or at the next step after
     `request_rescale()` (safe to call from a signal handler). `clear_caches`:
     drop jax's compiled caches after a failure, as pathwaysutils does.
+
+    `build(mesh)`, optional, makes what the function needs for a mesh (e.g. the
+    AOT-compiled step, `jax.jit(f).lower(abstract).compile()`, and the abstract
+    state); `program(mesh)` returns it, cached per mesh. With it the loop
+    builds ahead of time, in a background thread, the programs for the
+    `precompile` likeliest smaller meshes (each one data row lost) once the
+    first step is done, and for a larger mesh as soon as lost devices are back
+    (scaling up at the first save point after it is built, or after
+    `grow_wait_s`, whichever comes first), so no compile sits on the recovery
+    path. `build` must not depend on anything but the mesh.
     """
 
     def __init__(self, manager: Any, mesh: Mesh, *, data_axis: str = "data",
-                 retry: RetryPolicy = RetryPolicy(),
+                 retry: RecoveryPolicy = RecoveryPolicy(),
                  choose_mesh: Callable[[Collection[jax.Device], Mesh], Mesh | None] | None = None,
                  health_check: Callable[[Collection[jax.Device], float], Collection] | None = None,
-                 rescale_every_s: float = 60.0, clear_caches: bool = True):
+                 rescale_every_s: float = 60.0, clear_caches: bool = True,
+                 build: Callable[[Mesh], Any] | None = None, precompile: int = 1,
+                 grow_wait_s: float = 120.0):
         if data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}; pass data_axis= one of {mesh.axis_names}")
@@ -367,7 +316,14 @@ class Elastic:
         self.mesh = mesh
         self.retry = retry
         self.timeline: list[RecoveryEvent] = []
+        self._data_axis = data_axis
         self._choose = choose_mesh or functools.partial(shrink_data_axis, data_axis=data_axis)
+        self._programs = _Programs(build) if build is not None else None
+        self._precompile = precompile
+        self._precompile_started = precompile <= 0
+        self._grow_to: Mesh | None = None   # a larger mesh whose program is being built
+        self._grow_since = 0.0
+        self._grow_wait_s = grow_wait_s
         if health_check is None:
             health_check = HealthCheck()
         if isinstance(health_check, HealthCheck):
@@ -380,11 +336,11 @@ class Elastic:
         self._done: int | None = None       # the last completed step
         self._mark = time.perf_counter()    # when it completed (or was restored)
         self._pending: RecoveryEvent | None = None
-        self._t_fault = self._t_restored = 0.0
+        self._t_fault = self._t_ready = self._t_restored = 0.0
         self._episode: list[RecoveryEvent] = []
         self._waited = 0.0
         self._stash: tuple[int, Any] | None = None
-        _pathways_rule()  # import pathwaysutils now, not on the recovery path
+        warm_up()
 
     # -------------------------------------------------------------- public
 
@@ -404,6 +360,14 @@ class Elastic:
                     self._recover(e)
         return wrapper
 
+    def program(self, mesh: Mesh | None = None) -> Any:
+        """What `build(mesh)` returns for `mesh` (default: the current mesh),
+        built once per mesh; waits for it if it is being built ahead of time."""
+        if self._programs is None:
+            raise ValueError("Elastic.program needs Elastic(..., build=fn), fn(mesh) making "
+                             "the step and abstract state for a mesh")
+        return self._programs.get(mesh if mesh is not None else self.mesh)
+
     def restore(self, abstract: Any = None, init: Callable[[], Any] | None = None, *,
                 init_step: int = 0, args: Any = None) -> tuple[Any, int]:
         """The state to (re)start from and its step, on the current mesh.
@@ -420,6 +384,8 @@ class Elastic:
                              "(jax.ShapeDtypeStruct leaves with shardings on el.mesh) or args=")
         self._check_on_mesh(abstract)
         ev, t0 = self._pending, time.perf_counter()
+        if ev is not None:
+            ev.rebuild_s = t0 - self._t_ready
         if ev is not None and ev.kind == "scale_up" and self._stash is not None:
             step, live = self._stash
             self._stash = None
@@ -442,15 +408,18 @@ class Elastic:
             ev.restored_step, ev.restored_from = step, tiers
             ev.restore_s = now - t0
             self._t_restored = now
-            if ev.kind == "failure":
-                ev.steps_lost = (self._done - step) if self._done is not None else None
+            ev.steps_lost = (self._done - step) if self._done is not None else None
         self._done, self._mark = step, now
         return state, step
 
     def save(self, step: int, state: Any = None, *, args: Any = None, **save_kwargs: Any) -> bool:
         """Call after every completed step: `manager.save` (which saves only when
-        a tier is due), the end of a pending recovery, and, at a save point,
-        the scale-up check. Returns whether the manager saved."""
+        a tier is due), the end of a pending recovery, the check for returned
+        devices (when `rescale_every_s` has passed or `request_rescale()` was
+        called) and the scale-up: at the first save point after they are back
+        (with `build`, the first one at which the larger mesh's program is
+        built, so training goes on while it compiles, or after `grow_wait_s`).
+        Returns whether the manager saved."""
         if self._pending is not None:
             self._finish(step, state)
         if args is None:
@@ -459,8 +428,15 @@ class Elastic:
             args = _standard_save(state)
         saved = self.manager.save(step, args=args, **save_kwargs)
         self._done, self._mark = step, time.perf_counter()
-        if saved and self._rescale_due():
-            self._maybe_scale_up(step, state)
+        if self._programs is not None and not self._precompile_started:
+            self._precompile_started = True
+            self._programs.start(self._likely_meshes(self._precompile))
+        if self._grow_to is None and self._rescale_due():
+            self._look_for_devices()
+        if saved and self._grow_to is not None and (
+                self._programs is None or self._programs.done(self._grow_to)
+                or time.monotonic() - self._grow_since >= self._grow_wait_s):
+            self._scale_up(step, state)
         return saved
 
     def request_rescale(self) -> None:
@@ -478,11 +454,11 @@ class Elastic:
         t_detect = time.perf_counter()
         fault_time = getattr(exc, "fault_time", None)
         if self._pending is not None:
-            self._pending.outcome = f"failed again: {_describe(exc)}"
+            self._pending.outcome = f"failed again: {describe_error(exc)}"
         self._stash = None
         self._t_fault = fault_time if isinstance(fault_time, float) else self._mark
         ev = RecoveryEvent("failure", (self._done + 1) if self._done is not None else 0,
-                           error=_describe(exc), devices_before=_mesh_ids(self.mesh),
+                           error=describe_error(exc), devices_before=_mesh_ids(self.mesh),
                            detect_s=max(0.0, t_detect - self._t_fault),
                            attempt=len(self._episode) + 1)
         self.timeline.append(ev)
@@ -492,7 +468,11 @@ class Elastic:
             self._give_up(ev, f"{self.retry.max_attempts} attempts without a completed step")
         self._episode.append(ev)
         mesh = self._wait_for_mesh(ev)
-        self._drop_arrays(set(self.full_mesh.devices.flat) - set(mesh.devices.flat))
+        lost = set(self.full_mesh.devices.flat) - set(mesh.devices.flat)
+        self._drop_arrays(lost)
+        if self._programs is not None:
+            self._programs.drop(d.id for d in lost)
+        self._grow_to = None
         ev.health_s = time.perf_counter() - t_detect
         self.mesh = mesh
         ev.devices_after, ev.mesh_after = _mesh_ids(mesh), _mesh_shape(mesh)
@@ -501,6 +481,7 @@ class Elastic:
         # The traceback holds the failed attempt's frames and, through them, its
         # arrays: release them before the next attempt restores a new copy.
         exc.__traceback__ = None
+        self._t_ready = time.perf_counter()
 
     def _wait_for_mesh(self, ev: RecoveryEvent) -> Mesh:
         """Health-checks every device of the full mesh until `choose_mesh` gives
@@ -517,7 +498,9 @@ class Elastic:
             waited = self._waited + time.perf_counter() - t0
             if waited + self.retry.poll_s > self.retry.max_wait_s:
                 self._waited = waited
-                errors = getattr(self._health, "last_errors", None)
+                # A HealthCheck, or a bound method of an object that keeps last_errors.
+                errors = getattr(getattr(self._health, "__self__", self._health),
+                                 "last_errors", None)
                 self._give_up(ev, f"waited {waited:.1f} s (max_wait_s="
                               f"{self.retry.max_wait_s:g}) for a mesh of at least "
                               f"{self.retry.min_devices} devices; healthy: "
@@ -549,7 +532,7 @@ class Elastic:
             f"Attempts:\n{attempts}\n"
             f"The newest viable checkpoint is step {latest} in {self.manager.directory}. "
             "Check the devices (the health check errors above), then relaunch the job, "
-            "which resumes from that step; or allow more with RetryPolicy(max_attempts=, "
+            "which resumes from that step; or allow more with RecoveryPolicy(max_attempts=, "
             "max_wait_s=).")
 
     def _finish(self, step: int, state: Any) -> None:
@@ -575,17 +558,32 @@ class Elastic:
             return True
         return time.monotonic() - self._last_rescale_check >= self._rescale_every_s
 
-    def _maybe_scale_up(self, step: int, state: Any) -> None:
+    def _look_for_devices(self) -> None:
+        """Health-checks the devices missing from the mesh; when enough are back
+        for a larger mesh, remembers it (and starts building its program)."""
         self._rescale_requested = False
         self._last_rescale_check = time.monotonic()
-        t0 = time.perf_counter()
         current = set(self.mesh.devices.flat)
         missing = [d for d in self.full_mesh.devices.flat if d not in current]
         back = frozenset(self._health(missing, self.retry.health_timeout_s))
-        if not back:
-            return
-        mesh = self._choose(current | back, self.full_mesh)
+        mesh = self._choose(current | back, self.full_mesh) if back else None
         if mesh is None or mesh.size <= self.mesh.size:
+            return
+        self._grow_to, self._grow_since = mesh, time.monotonic()
+        log.warning("elastic: devices %s are back; growing to %d devices at the next save "
+                    "point", sorted(d.id for d in back), mesh.size)
+        if self._programs is not None:
+            self._programs.start([mesh])  # compiles while training goes on
+
+    def _scale_up(self, step: int, state: Any) -> None:
+        """At a save point: re-checks the returning devices, then unwinds the
+        training function to go on from this step on the larger mesh."""
+        mesh, self._grow_to = self._grow_to, None
+        t0 = time.perf_counter()
+        new = [d for d in mesh.devices.flat if d not in set(self.mesh.devices.flat)]
+        if set(self._health(new, self.retry.health_timeout_s)) != set(new):
+            log.warning("elastic: devices %s failed their health check again; not growing",
+                        sorted(d.id for d in new))
             return
         ev = RecoveryEvent("scale_up", step, devices_before=_mesh_ids(self.mesh),
                            devices_after=_mesh_ids(mesh), mesh_after=_mesh_shape(mesh),
@@ -594,9 +592,21 @@ class Elastic:
         self._pending, self._t_fault = ev, t0
         self._stash = (step, state) if state is not None else None
         self.mesh = mesh
-        log.warning("elastic: devices %s are back; going on with %d devices from step %d",
-                    sorted(d.id for d in back), mesh.size, step)
+        self._t_ready = time.perf_counter()
         raise _Rescale()
+
+    def _likely_meshes(self, n: int) -> list[Mesh]:
+        """The meshes `choose_mesh` would pick after losing one data row, last
+        rows first, distinct, up to n."""
+        rows = np.moveaxis(self.full_mesh.devices, self.full_mesh.axis_names.index(
+            self._data_axis), 0)
+        every = set(self.full_mesh.devices.flat)
+        out: dict[tuple, Mesh] = {}
+        for r in reversed(range(rows.shape[0])):
+            m = self._choose(every - set(rows[r].flat), self.full_mesh)
+            if m is not None and m.size < self.full_mesh.size:
+                out.setdefault(_mesh_key(m), m)
+        return list(out.values())[:n]
 
     def _reshard(self, live: Any, abstract: Any, args: Any, step: int) -> tuple[Any, dict]:
         """The live state of the save step, moved onto the new shardings; the
@@ -627,10 +637,16 @@ class Elastic:
 
 
 def _put_like(x: Any, target: Any) -> Any:
+    """`x` on `target`'s sharding. Through host memory: a device-to-device
+    reshard onto another device set compiles a copy program first (0.6 s for
+    256 MB here, and again after each jax.clear_caches()); the host path took
+    0.12-0.15 s every time."""
     sharding = getattr(target, "sharding", None)
-    if isinstance(x, jax.Array) and sharding is not None:
-        return jax.device_put(x, sharding)
-    return x
+    if not isinstance(x, jax.Array) or sharding is None:
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.device_put(x, sharding)  # typed keys have no host form; they are small
+    return jax.device_put(np.asarray(x), sharding)
 
 
 def _standard_save(state: Any) -> Any:

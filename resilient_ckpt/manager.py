@@ -2,7 +2,10 @@
 
 `save` takes the host snapshot (the only blocking part), then hands it to one
 worker thread per due tier; each writes and commits the step, applies that
-tier's retention, and gives the snapshot back when the last tier is done.
+tier's retention, and gives the snapshot back when the last tier is done. A
+GCS tier instead waits for a faster tier to commit the step and uploads that
+tier's copy (the step pinned against that tier's retention meanwhile), so the
+snapshot is freed at local speed and the devices are never read again.
 `restore` selects the newest viable step across every tier, reads each chunk
 from the fastest intact copy, and falls back to an older step when asked for
 "the latest" and the newest turns out corrupt. Background failures are raised
@@ -28,7 +31,8 @@ from .errors import (CorruptCheckpointError, ItemNotFoundError, SaveFailedError,
                      StepAlreadyExistsError, StepNotFoundError, TargetMismatchError)
 from .pytree import build_nested, flatten, match_target, unflatten
 from .restore import ChunkReader, RestoreRecord, restore_leaves, target_for
-from .tiers import LocalTier, RamTier
+from .tiers import GcsTier, LocalTier, RamTier
+from .transfer import Encoding
 
 log = logging.getLogger("resilient_ckpt")
 
@@ -37,8 +41,10 @@ log = logging.getLogger("resilient_ckpt")
 class CheckpointManagerOptions:
     """Orbax's common options, plus `tiers` and the host-memory budget.
 
-    With no `tiers`, the directory is one local tier saving every
-    `save_interval_steps` and keeping `max_to_keep`, exactly as in Orbax.
+    With no `tiers`, the directory is one local tier (one GCS tier for a gs://
+    directory) saving every `save_interval_steps` and keeping `max_to_keep`,
+    exactly as in Orbax. `progress`: show a progress bar (tqdm, on stderr) while
+    restoring.
     `host_memory_budget`: bytes of snapshots in flight (default: two states);
     when a save would exceed it, `over_budget="wait"` blocks until an older
     snapshot is written; `"skip"` first cancels the queued, not yet started
@@ -65,6 +71,7 @@ class CheckpointManagerOptions:
     over_budget: str = "wait"
     io_threads: int = 8
     restore_memory_budget: int = 256 * 1024 * 1024
+    progress: bool = False
 
     def __post_init__(self):
         if self.best_mode not in ("min", "max"):
@@ -118,12 +125,14 @@ class RootMetadata:
 
 @dataclasses.dataclass
 class _Flight:
-    """A snapshot on its way to its tiers; its memory is freed by the last one."""
+    """A snapshot on its way to its tiers; its memory is freed when no tier
+    holds it any more (a GCS upload lets go once it can read a tier's copy)."""
 
     snap: snapshot.Snapshot
     need: int
     rec: SaveRecord
-    remaining: int
+    holders: set
+    pins: dict = dataclasses.field(default_factory=dict)  # tier -> [(source tier, step)]
 
 
 @dataclasses.dataclass
@@ -133,6 +142,9 @@ class _Tier:
     keep: int | None
     storage: Any
     worker: cf.ThreadPoolExecutor
+    io: cf.Executor  # chunk puts: the shared pool, or a GCS tier's own
+    config: Any
+    encoding: Encoding = Encoding()
 
 
 class CheckpointManager:
@@ -144,14 +156,13 @@ class CheckpointManager:
         del checkpointers, metadata, item_names, item_handlers, logger, handler_registry
         self._options = o = CheckpointManagerOptions.from_any(options)
         self._directory = epath.Path(directory)
-        if str(self._directory).startswith("gs://"):
-            raise ValueError(f"{directory}: gs:// directories need the GCS tier, which "
-                             "this version does not have yet")
-        if not o.create and not os.path.isdir(directory) and not o.read_only:
+        remote = str(self._directory).startswith("gs://")
+        if not o.create and not remote and not os.path.isdir(directory) and not o.read_only:
             raise FileNotFoundError(f"{directory} does not exist and options.create=False")
         self._naming = layout.StepNaming(o.step_prefix, o.step_format_fixed_length)
-        self._tiers = self._open_tiers(o, str(directory))
         self._io = cf.ThreadPoolExecutor(o.io_threads, thread_name_prefix="rc-io")
+        self._pins: collections.Counter = collections.Counter()  # (tier, step) -> uploads
+        self._tiers = self._open_tiers(o, str(self._directory))
         self._copy = cf.ThreadPoolExecutor(2, thread_name_prefix="rc-copy")
         self._pool = snapshot.HostPool()
         self._lock = threading.Condition()
@@ -175,7 +186,8 @@ class CheckpointManager:
     # ------------------------------------------------------------ setup
 
     def _open_tiers(self, o: CheckpointManagerOptions, directory: str) -> list[_Tier]:
-        configs = list(o.tiers) or [LocalTier()]
+        remote = directory.startswith("gs://")
+        configs = list(o.tiers) or [GcsTier() if remote else LocalTier()]
         order = {"ram": 0, "local": 1, "gcs": 2}
         configs.sort(key=lambda t: order.get(t.kind, 9))
         tiers, names = [], collections.Counter()
@@ -185,16 +197,32 @@ class CheckpointManager:
             every = t.every if t.every is not None else o.save_interval_steps
             keep = t.keep if (t.keep is not None or isinstance(t, RamTier)) else o.max_to_keep
             storage = t.open(directory, o.create and not o.read_only)
+            gcs = t.kind == "gcs"
+            # A GCS tier gets its own pool, so slow uploads never hold the
+            # shared pool's threads that the RAM and local tiers write through.
+            io = cf.ThreadPoolExecutor(t.concurrency, thread_name_prefix=f"rc-{name}-io") \
+                if gcs else self._io
             tiers.append(_Tier(name, every, keep, storage,
-                               cf.ThreadPoolExecutor(1, thread_name_prefix=f"rc-{name}")))
+                               cf.ThreadPoolExecutor(1, thread_name_prefix=f"rc-{name}"), io, t,
+                               Encoding(t.codec, t.level) if gcs else Encoding()))
         return tiers
+
+    def _tier(self, name: str) -> _Tier:
+        return next(t for t in self._tiers if t.name == name)
 
     def _clean(self) -> None:
         for t in self._tiers:
             try:
-                removed = commit.cleanup(t.storage, self._naming)
+                if t.storage.shared:  # seen by every host: one of them collects
+                    if jax.process_index() != 0:
+                        continue
+                    removed = commit.collect_orphans(t.storage, self._naming,
+                                                     t.config.orphan_age_s)
+                else:
+                    removed = commit.cleanup(t.storage, self._naming)
                 if removed:
-                    log.info("cleaned %d leftovers of dead saves in %s", len(removed), t.storage.url)
+                    log.info("cleaned %d leftovers of dead saves in %s", len(removed),
+                             t.storage.url)
             except OSError as e:
                 log.warning("cleanup of %s failed: %s", t.storage.url, e)
 
@@ -323,7 +351,7 @@ class CheckpointManager:
             raise StepAlreadyExistsError(
                 f"step {step} already exists in {self._directory}; delete it first "
                 "or save another step")
-        tiers = self._due_tiers(step) if not force else list(self._tiers)
+        tiers, feeds = self._plan(self._due_tiers(step) if not force else list(self._tiers))
         rec = SaveRecord(step)
         t0 = time.perf_counter()
         save_id = _shared_save_id()
@@ -343,18 +371,49 @@ class CheckpointManager:
         header = dict(created=time.time(), process_index=jax.process_index(),
                       process_count=jax.process_count(), metrics=_jsonable(metrics),
                       custom_metadata=_jsonable(custom_metadata))
-        flight = _Flight(snap, need, rec, len(tiers))
+        flight = _Flight(snap, need, rec, {t.name for t in tiers})
         with self._lock:
             self._local_info[step] = (header["created"], header["metrics"])
             jobs = self._pending.setdefault(step, {})
-            for t in tiers:
-                jobs[t.name] = t.worker.submit(self._write, t, flight, header)
             self._flights[step] = flight
+            for t in tiers:  # faster tiers first: uploads wait on their futures
+                if feeds.get(t.name):
+                    self._supersede_uploads(t, step)
+                    flight.pins[t.name] = [(n, step) for n in feeds[t.name]]
+                    self._pins.update(flight.pins[t.name])
+                    jobs[t.name] = t.worker.submit(self._upload, t, flight, header,
+                                                   [(n, jobs[n]) for n in feeds[t.name]])
+                else:
+                    jobs[t.name] = t.worker.submit(self._write, t, flight, header)
         rec.blocking_s = time.perf_counter() - t0
         self.save_records.append(rec)
         if not self._options.enable_async_checkpointing:
             self.wait_until_finished()
         return True
+
+    def _plan(self, due: list[_Tier]) -> tuple[list[_Tier], dict[str, list[str]]]:
+        """The tiers to write, fastest first, and per GCS tier the faster due
+        tiers it uploads from. A step due on GCS alone also goes to the fastest
+        tier, to upload from: the devices are read once, into the snapshot."""
+        fast = [t for t in due if t.storage.kind != "gcs"]
+        remote = [t for t in due if t.storage.kind == "gcs"]
+        if remote and not fast:
+            fast = [t for t in self._tiers if t.storage.kind != "gcs"][:1]
+        return fast + remote, {t.name: [f.name for f in fast] for t in remote}
+
+    def _supersede_uploads(self, t: _Tier, step: int) -> None:
+        """Drops uploads to `t` still queued behind a running one: only the
+        newest step needs to reach GCS, and each queued upload pins its source
+        step in the faster tier. Holds the lock."""
+        for old in sorted(self._pending):
+            fut = self._pending[old].get(t.name)
+            if old != step and fut is not None and fut.cancel():
+                flight = self._flights[old]
+                flight.rec.tiers[t.name] = (f"skipped: superseded by step {step} (the "
+                                            f"{t.name} tier was still uploading)")
+                log.warning("step %d not uploaded to the %s tier: superseded by step %d, "
+                            "the tier is still busy with an earlier step", old, t.name, step)
+                self._job_done(t.name, flight)
 
     def _reserve(self, need: int, rec: SaveRecord) -> None:
         """Holds `need` bytes of the host-memory budget. Over budget, "wait"
@@ -375,9 +434,10 @@ class CheckpointManager:
         busy = {name for jobs in self._pending.values()
                 for name, fut in jobs.items() if fut.running()}
         for step in sorted(self._pending):
+            flight = self._flights[step]
             for name, fut in list(self._pending[step].items()):
-                if name in busy and fut.cancel():  # queued behind a slow write
-                    flight = self._flights[step]
+                # queued behind a slow write, and holding memory that cancelling frees
+                if name in busy and name in flight.holders and fut.cancel():
                     flight.rec.tiers[name] = (f"skipped: superseded by step {newer} "
                                               "(host-memory budget)")
                     log.warning("step %d not written to the %s tier: superseded by step %d "
@@ -387,16 +447,36 @@ class CheckpointManager:
         return False
 
     def _job_done(self, name: str, flight: "_Flight") -> None:
-        """Bookkeeping when one tier is done with a snapshot. Holds the lock."""
+        """Bookkeeping when one tier is done with a step. Holds the lock."""
         step = flight.snap.step
         jobs = self._pending.get(step, {})
         jobs.pop(name, None)
         if not jobs:
             self._pending.pop(step, None)
-        self._viable_cache = None
-        flight.remaining -= 1
-        if flight.remaining == 0:
             self._flights.pop(step, None)
+        self._viable_cache = None
+        self._release(name, flight)
+        if getattr(flight.rec.tiers.get(name), "ok", False):
+            # An upload waiting for this tier's copy no longer needs the snapshot.
+            for up, pins in flight.pins.items():
+                if (name, step) in pins:
+                    self._release(up, flight)
+        for pin in flight.pins.pop(name, ()):
+            self._pins[pin] -= 1
+            if self._pins[pin] <= 0:
+                del self._pins[pin]
+                try:  # the source tier may now delete what it kept for the upload
+                    src = self._tier(pin[0])
+                    src.worker.submit(self._retention_job, src)
+                except RuntimeError:
+                    pass  # closing: the next save's retention catches up
+
+    def _release(self, name: str, flight: "_Flight") -> None:
+        """`name` no longer needs the snapshot; the last one frees it. Holds the lock."""
+        if name not in flight.holders:
+            return
+        flight.holders.discard(name)
+        if not flight.holders:
             if flight.snap.slab is not None:
                 self._pool.give(flight.snap.slab)
             self._held -= flight.need
@@ -405,35 +485,105 @@ class CheckpointManager:
     def _write(self, t: _Tier, flight: "_Flight", header: dict) -> None:
         snap, rec = flight.snap, flight.rec
         try:
-            tw = commit.write_step(t.storage, t.name, self._naming, snap, header, self._io)
-            rec.tiers[t.name] = tw
-            ts = commit.observe_step(t.storage, t.name, self._naming, snap.step)
-            with self._lock:
-                if ts is not None:
-                    self._obs.setdefault(t.name, {})[snap.step] = ts
-                self._viable_cache = None
+            rec.tiers[t.name] = commit.write_step(
+                t.storage, t.name, self._naming, snap, header, t.io, encoding=t.encoding,
+                on_commit=lambda m: self._committed(t, m))
             self._apply_retention(t)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            rec.tiers[t.name] = commit.TierWrite(t.name, snap.step, False, 0.0, 0, str(e))
-            err = SaveFailedError(f"save of step {snap.step} to the {t.name} tier "
-                                  f"({t.storage.url}) failed: {e}")
-            err.__cause__ = e
-            log.error("%s", err)
-            with self._lock:
-                self._errors.append(err)
+            self._failed(t, snap.step, e, rec)
         finally:
             with self._lock:
                 self._job_done(t.name, flight)
 
+    def _upload(self, t: _Tier, flight: "_Flight", header: dict, feeds: list) -> None:
+        """A GCS tier's job: once a faster tier has committed the step, upload
+        that tier's copy; only if none did, the host snapshot."""
+        snap, rec = flight.snap, flight.rec
+        try:
+            cf.wait([fut for _, fut in feeds])
+            done = [n for n, _ in feeds if getattr(rec.tiers.get(n), "ok", False)]
+            if done:
+                with self._lock:
+                    self._release(t.name, flight)
+                    ts = self._obs.get(done[0], {}).get(snap.step)
+                mine = [m for m in (ts.manifests if ts else ())
+                        if getattr(m, "save_id", None) == snap.save_id
+                        and m.process_index == jax.process_index()]
+                if not mine:
+                    raise StepNotFoundError(f"step {snap.step} vanished from the {done[0]} "
+                                            "tier before its upload")
+                rec.tiers[t.name] = commit.copy_step(
+                    t.storage, t.name, self._naming, mine[0],
+                    [(n, self._tier(n).storage) for n in done], t.io, t.encoding,
+                    on_commit=lambda m: self._committed(t, m))
+            elif all(isinstance(rec.tiers.get(n), str) for n, _ in feeds):
+                rec.tiers[t.name] = f"skipped: {rec.tiers[feeds[0][0]]}"
+                log.warning("step %d not uploaded to the %s tier: %s", snap.step, t.name,
+                            rec.tiers[t.name])
+                return
+            else:
+                log.warning("no faster tier committed step %d; uploading it to the %s tier "
+                            "from host memory", snap.step, t.name)
+                rec.tiers[t.name] = commit.write_step(
+                    t.storage, t.name, self._naming, snap, header, t.io,
+                    encoding=t.encoding, on_commit=lambda m: self._committed(t, m))
+            self._apply_retention(t)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._failed(t, snap.step, e, rec)
+        finally:
+            with self._lock:
+                self._job_done(t.name, flight)
+
+    def _committed(self, t: _Tier, m) -> None:
+        """Updates this tier's view with a manifest just committed to it."""
+        if t.storage.sizes_from_manifest and not (t.storage.shared and m.process_count > 1
+                                                  and jax.process_index() == 0):
+            # Our own manifest is all we need to know: reading every process's
+            # back after every upload would cost hosts x hosts requests per step.
+            with self._lock:
+                old = self._obs.get(t.name, {}).get(m.step)
+            others = tuple(x for x in (old.manifests if old else ())
+                           if not (getattr(x, "process_index", None) == m.process_index
+                                   and getattr(x, "save_id", None) == m.save_id))
+            ts = commit.tier_step(t.name, others + (m,))
+        else:  # process 0 of a shared tier reads them all: it runs retention there
+            ts = commit.observe_step(t.storage, t.name, self._naming, m.step)
+        with self._lock:
+            if ts is not None:
+                self._obs.setdefault(t.name, {})[m.step] = ts
+            self._viable_cache = None
+
+    def _failed(self, t: _Tier, step: int, e: BaseException, rec: SaveRecord) -> None:
+        rec.tiers[t.name] = commit.TierWrite(t.name, step, False, 0.0, 0, str(e))
+        err = SaveFailedError(f"save of step {step} to the {t.name} tier "
+                              f"({t.storage.url}) failed: {e}")
+        err.__cause__ = e
+        log.error("%s", err)
+        with self._lock:
+            self._errors.append(err)
+
+    def _retention_job(self, t: _Tier) -> None:
+        try:
+            self._apply_retention(t)
+        except OSError as e:
+            log.warning("retention in the %s tier (%s) failed: %s", t.name, t.storage.url, e)
+
     def _apply_retention(self, t: _Tier) -> None:
         o = self._options
         with self._lock:
-            steps = sorted(self._obs.get(t.name, {}))
+            own = dict(self._obs.get(t.name, {}))
+            pinned = {s for (n, s) in self._pins if n == t.name}
+            bad = frozenset(self._bad)
         viable = self._viable()
         # Only restorable steps take retention slots: a damaged step (bad manifest,
         # missing chunk) must not push a good older step out; it is left alone.
-        steps = [s for s in steps if s in viable]
-        protected = frozenset({max(viable)} if viable else ())
+        steps = [s for s in sorted(own) if s in viable]
+        # Kept besides: the newest step restorable at all, the newest restorable
+        # from this tier alone (so GCS never loses its last complete step to one
+        # that only the RAM tier can complete), and steps an upload is reading.
+        alone = selection.viable({s: [ts] for s, ts in own.items()}, [t.name], bad)
+        protected = frozenset(({max(viable)} if viable else set()) | pinned
+                              | ({max(alone)} if alone else set()))
         metrics = {s: c.manifest.metrics for s, c in viable.items()}
         doomed = retention.to_delete(
             steps, t.keep, keep_period=o.keep_period, best_fn=o.best_fn,
@@ -447,6 +597,8 @@ class CheckpointManager:
         with self._lock:
             self._obs.get(t.name, {}).pop(step, None)
             self._viable_cache = None
+        if t.storage.shared and jax.process_index() != 0:
+            return  # every host sees it: process 0 deletes, the others only forget it
         commit.delete_step(t.storage, self._naming, step)
 
     # ------------------------------------------------------------ errors & waiting
@@ -573,6 +725,19 @@ class CheckpointManager:
                         is_composite: bool, record: RestoreRecord) -> Any:
         m = chosen.manifest
         storages = {t.name: t.storage for t in self._tiers}
+        bar = None
+        if self._options.progress:
+            from . import progress
+            storages, bar = progress.wrap(storages, chosen, jax.process_count() == 1)
+        try:
+            return self._restore_with(chosen, storages, requests, is_composite, record)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _restore_with(self, chosen: selection.Choice, storages: dict, requests: dict | None,
+                      is_composite: bool, record: RestoreRecord) -> Any:
+        m = chosen.manifest
         reader = ChunkReader(storages, self._naming, chosen, self._bad, record,
                              self._options.restore_memory_budget)
         names = [it.name for it in m.items]
@@ -580,11 +745,14 @@ class CheckpointManager:
             requests = {n: args_lib.RestoreRequest("any") for n in names}
             is_composite = names != [args_lib.DEFAULT_ITEM]
         out = {}
-        for name, req in requests.items():
-            if name not in names:
-                raise ItemNotFoundError(f"step {chosen.step} has no item {name!r} "
-                                        f"(items: {names})")
-            out[name] = self._restore_item(m.item(name), req, reader, chosen.step)
+        try:
+            for name, req in requests.items():
+                if name not in names:
+                    raise ItemNotFoundError(f"step {chosen.step} has no item {name!r} "
+                                            f"(items: {names})")
+                out[name] = self._restore_item(m.item(name), req, reader, chosen.step)
+        finally:
+            reader.close()
         if is_composite:
             return args_lib.composite(out)
         return out[args_lib.DEFAULT_ITEM]
@@ -643,8 +811,14 @@ class CheckpointManager:
         try:
             self.wait_until_finished()
         finally:
+            if self._cleanup is not None:
+                self._cleanup.join()  # it uses the storages closed below
             for t in self._tiers:
                 t.worker.shutdown(wait=True)
+            for t in self._tiers:
+                if t.io is not self._io:
+                    t.io.shutdown(wait=True)
+                t.storage.close()
             self._io.shutdown(wait=True)
             self._copy.shutdown(wait=True)
             self._pool.clear()

@@ -3,15 +3,18 @@
 Tiers are small frozen records composed into the manager's options, listed
 fastest first. `RamTier` is a directory under /dev/shm, so a restarted process on
 the same host still restores from memory; `LocalTier` is a directory on disk (a
-plain Orbax-style directory is one LocalTier).
+plain Orbax-style directory is one LocalTier); `GcsTier` is a gs://bucket/prefix
+(a gs:// directory given to the manager is one GcsTier).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import os
+import tempfile
 
 from .storage import FileStorage, Storage
+from .storage.retry import RetryPolicy
 
 SHM = "/dev/shm"
 
@@ -28,8 +31,11 @@ class RamTier:
     def open(self, directory: str, create: bool) -> Storage:
         path = self.path
         if path is None:
-            base = SHM if os.path.isdir(SHM) else os.path.join(os.path.abspath(directory), ".ram")
-            digest = hashlib.sha256(os.path.abspath(directory).encode()).hexdigest()[:16]
+            remote = directory.startswith("gs://")
+            where = directory if remote else os.path.abspath(directory)
+            base = SHM if os.path.isdir(SHM) else os.path.join(
+                tempfile.gettempdir() if remote else where, ".ram")
+            digest = hashlib.sha256(where.encode()).hexdigest()[:16]
             path = os.path.join(base, "resilient_ckpt", digest)
         # tmpfs has no durability to gain from fsync; a host crash loses it anyway.
         return FileStorage(path, "ram", fsync=False, create=create)
@@ -47,4 +53,59 @@ class LocalTier:
     kind = "local"
 
     def open(self, directory: str, create: bool) -> Storage:
+        if self.path is None and directory.startswith("gs://"):
+            raise ValueError(f"LocalTier() needs path= when the manager's directory is "
+                             f"a gs:// URL ({directory})")
         return FileStorage(self.path or directory, "local", fsync=self.fsync, create=create)
+
+
+@dataclasses.dataclass(frozen=True)
+class GcsTier:
+    """A GCS prefix, `gs://bucket/prefix` (None: the manager's directory, when it
+    is a gs:// URL). None `every`/`keep` take the manager's options.
+
+    It uploads in the background a step that a faster tier of the same manager
+    has committed, reading that tier's copy (never the devices again; a step
+    due only here is also written to the fastest tier, which it is read from);
+    without a faster tier it uploads from the host snapshot. An upload still
+    queued when the next one is due is dropped: only the newest step needs to
+    reach GCS. `concurrency` chunks are in flight at once. A chunk of up to
+    `piece_bytes` goes in one request (straight from the RAM tier's mapping or
+    the snapshot, without a copy); a larger one in parts of `piece_bytes`,
+    composed on GCS, so an upload holds at most two pieces of memory.
+    `codec`: "raw" (the default: measured faster here for float32 and bfloat16
+    alike, docs/gcs.md) or "zstd" (at `level`, only for chunks it shrinks by 3%
+    or more; worth it where a host's upload is slow and it has cores to spare,
+    mostly for bfloat16 states). `endpoint`: an emulator's URL (default: the
+    STORAGE_EMULATOR_HOST variable, else Google's). `retry`: backoff and
+    deadlines of every request. Objects of uncommitted steps older than
+    `orphan_age_s` are removed when a manager opens the tier.
+    """
+
+    url: str | None = None
+    every: int | None = None
+    keep: int | None = None
+    codec: str = "raw"
+    level: int = 1
+    endpoint: str | None = None
+    concurrency: int = 8
+    piece_bytes: int = 64 * 2**20
+    retry: RetryPolicy = RetryPolicy()
+    orphan_age_s: float = 3600.0
+    kind = "gcs"
+
+    def __post_init__(self):
+        if self.codec not in ("raw", "zstd"):
+            raise ValueError(f"GcsTier.codec must be 'raw' or 'zstd', got {self.codec!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"GcsTier.concurrency must be >= 1, got {self.concurrency}")
+
+    def open(self, directory: str, create: bool) -> Storage:
+        del create  # a bucket is made by its owner, not by a training job
+        from .storage.gcs import GcsStorage
+        url = self.url or directory
+        if not url.startswith("gs://"):
+            raise ValueError(f"GcsTier() needs a gs://bucket/prefix URL (got directory "
+                             f"{directory!r} and url={self.url!r})")
+        return GcsStorage(url, endpoint=self.endpoint, retry=self.retry,
+                          concurrency=self.concurrency, piece_bytes=self.piece_bytes)

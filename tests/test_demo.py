@@ -13,6 +13,9 @@ def test_demo_crash_and_resume():
         capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     for row in ("save, blocking", "save, ram tier write", "restore of step",
-                "steps lost", "loss after resume", "identical to before the crash"):
+                "steps lost", "loss after resume", "identical to before the crash",
+                "save, gcs tier write", "restore from gcs alone",
+                "bit-identical to the local copy"):
         assert row in out.stdout, out.stdout
     assert "from ram 100%" in out.stdout, out.stdout
+    assert "restore step" in out.stderr, out.stderr  # the progress bar of the GCS restore

@@ -221,9 +221,11 @@ def test_budget_wait_blocks_and_records_the_wait(tmp_path, ram_path, mesh, monke
     assert sorted(os.listdir(tmp_path)) == ["0", "1"]
 
 
-def test_gcs_directory_is_refused_clearly(tmp_path):
+def test_gcs_directory_needs_paths_for_local_tiers(tmp_path):
+    # A gs:// directory is a GCS tier (tests/test_gcs_manager.py); a local tier
+    # beside it cannot default to that directory, and says so.
     with pytest.raises(ValueError, match="gs://"):
-        CheckpointManager("gs://bucket/x")
+        CheckpointManager("gs://bucket/x", options=CheckpointManagerOptions(tiers=[LocalTier()]))
 
 
 def test_nan_metrics_are_kept(tmp_path, mesh):

@@ -1,7 +1,9 @@
 """Storage backends: a handful of blocking, thread-safe byte-object operations.
 
 `base.Storage` is the interface; `files.FileStorage` serves the RAM tier (a
-directory under /dev/shm) and the local-disk tier. Backends raise the project's
+directory under /dev/shm) and the local-disk tier; `gcs.GcsStorage` the GCS
+tier (imported where used, so google-cloud-storage loads only for GCS), with
+`retry` deciding what is retried and for how long. Backends raise the project's
 own errors (StorageError, StepNotFoundError), never the backend's.
 """
 from .base import Storage

@@ -20,6 +20,8 @@ class Storage(abc.ABC):
     # Listing a step costs requests here, so selection takes chunk sizes from the
     # manifests and leaves presence and size to be checked when a chunk is read.
     sizes_from_manifest: bool = False
+    # Chunks larger than this are written as a stream, this many bytes at a time.
+    piece_bytes: int = 8 << 20
 
     @abc.abstractmethod
     def put(self, key: str, data: memoryview) -> None:

@@ -1,14 +1,16 @@
 """The GCS backend: a tier's objects under gs://bucket/prefix.
 
-Client: google-cloud-storage (chosen by measurement, docs/gcs.md) for uploads,
-listing and deleting, with its own retries off and ours on (storage/retry.py).
-Ranged reads go through the same authorized HTTP session, streamed straight
-into the caller's buffer: that measured about twice as fast as the client's own
-download path, which copies the body in 8 KiB pieces.
+Client: google-cloud-storage (chosen by measurement, docs/gcs.md) for small
+uploads, the commit, compose, listing and deleting, with its own retries off
+and ours on (storage/retry.py). Ranged reads and part uploads go through the
+same authorized HTTP session, streamed straight into or out of our buffers:
+reads measured about twice as fast as the client's own download path.
 
-- `put` sends an object of up to 8 MiB as one multipart request and a larger
-  one as a resumable upload in `piece_bytes` pieces, so one upload holds at
-  most one piece in memory beyond the caller's data.
+- `put` sends an object of up to `piece_bytes` in one request. A larger one
+  (or one of unknown size, compressed on the fly) is read once, in
+  `piece_bytes` parts, each uploaded as its own object and retried on its own,
+  then composed into the final object, whose crc32c is checked; so one upload
+  holds at most two parts in memory, and a fault costs one part, not the object.
 - `put_if_absent` (the commit) is a multipart upload with
   `if_generation_match=0`. If it is refused (412) the object is read back: a
   retried request whose first try had in fact landed finds its own bytes there
@@ -23,6 +25,7 @@ Every failure leaves as StorageError (an OSError) naming the gs:// path.
 """
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import errno
 import io
@@ -32,12 +35,15 @@ import time
 import urllib.parse
 from typing import Callable
 
-from ..errors import StorageError
+import google_crc32c
+import numpy as np
+
+from ..errors import CheckpointError, StorageError
 from .base import Storage
 from .retry import RetryPolicy, Transient, call, http_status
 
-MULTIPART_MAX = 8 * 2**20  # google-cloud-storage sends objects up to this size in one request
-_GRANULE = 256 * 2**10  # resumable pieces must be multiples of this
+PART = ".part"  # temporary objects of a composed upload: <key>.part00012
+READ_SPLIT = 16 * 2**20  # larger reads go as parallel ranges of this size
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -87,6 +93,18 @@ class _Reader(io.RawIOBase):
         return self._pos
 
 
+def _read_full(stream, n: int) -> bytes:
+    """Exactly n bytes, fewer only at the end (streams may return short reads)."""
+    parts, want = [], n
+    while want > 0:
+        part = stream.read(want)
+        if not part:
+            break
+        parts.append(part)
+        want -= len(part)
+    return b"".join(parts)
+
+
 class _Status(Exception):
     """A non-2xx answer to one of our own requests; `code` drives retry.is_transient."""
 
@@ -102,7 +120,7 @@ class GcsStorage(Storage):
 
     def __init__(self, url: str, *, endpoint: str | None = None,
                  retry: RetryPolicy = RetryPolicy(), concurrency: int = 8,
-                 piece_bytes: int = 16 * 2**20):
+                 piece_bytes: int = 64 * 2**20):
         from google.auth.transport.requests import AuthorizedSession
         from google.cloud import storage as gcs
         import requests.adapters
@@ -110,7 +128,7 @@ class GcsStorage(Storage):
         self.bucket_name, self.prefix = parse_url(url)
         self.url = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
         self.retry = retry
-        self.piece_bytes = max(_GRANULE, piece_bytes // _GRANULE * _GRANULE)
+        self.piece_bytes = max(1 << 16, piece_bytes)
         self.concurrency = concurrency
         ep = _endpoint(endpoint)
         creds, project = _credentials(ep)
@@ -155,8 +173,8 @@ class GcsStorage(Storage):
         return self._requests
 
     def _final(self, e: BaseException, what: str, key: str) -> BaseException:
-        if isinstance(e, StorageError):
-            return e
+        if isinstance(e, CheckpointError):
+            return e  # ours already (a source that failed mid-upload, say)
         status = http_status(e)
         where = self._where(key)
         if status == 404:
@@ -173,16 +191,102 @@ class GcsStorage(Storage):
 
     def put(self, key: str, data) -> None:
         view = memoryview(data).cast("B")
-        self.put_stream(key, lambda: _Reader(view), len(view))
+        if len(view) <= self.piece_bytes:
+            self._put_media(key, view)
+        else:
+            self._put_composed(key, _Reader(view))
 
     def put_stream(self, key: str, opener: Callable[[], io.RawIOBase], size: int | None) -> None:
-        """Uploads what `opener()` reads (a fresh stream per attempt); `size` None
-        when unknown (then always a resumable upload)."""
+        """Uploads what `opener()` reads: one request up to `piece_bytes`;
+        larger, or of unknown size (compressed on the fly), read once in
+        `piece_bytes` parts, each uploaded and retried on its own, then composed
+        into `key` and checked against the crc32c of what was read."""
+        with opener() as stream:
+            if size is not None and size <= self.piece_bytes:
+                self._put_media(key, _read_full(stream, size))
+            else:
+                self._put_composed(key, stream)
+
+    def _put_composed(self, key: str, stream) -> None:
+        # A resumable upload would be the usual way, but after a fault it must
+        # ask the server where it got to and rewind the stream, which a stream
+        # compressed on the fly cannot do, and the emulator answers that
+        # question by finalizing the object (docs/gcs.md). Parts are plain
+        # idempotent uploads instead, each retried alone.
+        size = self.piece_bytes
+        first = _read_full(stream, size)
+        second = _read_full(stream, size) if len(first) == size else b""
+        if not second:
+            self._put_media(key, first)
+            return
+
+        def pieces():
+            yield first
+            yield second
+            while buf := _read_full(stream, size):
+                yield buf
+        parts, crc, total = [], 0, 0
+        try:
+            for buf in pieces():
+                parts.append(f"{key}{PART}{len(parts):05d}")
+                self._put_media(parts[-1], buf)
+                crc = google_crc32c.extend(crc, np.frombuffer(buf, np.uint8))
+                total += len(buf)
+            self._compose(key, parts, crc, total)
+        finally:
+            for f in [self._pool.submit(self._delete_quietly, p) for p in parts]:
+                f.result()
+
+    def _put_media(self, key: str, data) -> None:
+        """One upload request (no precondition), checked against the size and
+        crc32c the server reports."""
+        url = (f"{self._api}/upload/storage/v1/b/{self.bucket_name}/o?uploadType=media&name="
+               + urllib.parse.quote(self._name(key), safe=""))
+        want = base64.b64encode(google_crc32c.value(np.frombuffer(data, np.uint8))
+                                .to_bytes(4, "big")).decode()
+
         def attempt():
-            blob = self._bucket.blob(self._name(key), chunk_size=self.piece_bytes)
-            blob.upload_from_file(opener(), size=size, checksum="crc32c", retry=None,
-                                  timeout=self._timeout())
+            resp = self._session.post(url, data=data, timeout=self._timeout(),
+                                      headers={"Content-Type": "application/octet-stream"})
+            if resp.status_code != 200:
+                raise _Status(resp.status_code, resp.text)
+            got = resp.json()
+            if int(got.get("size", -1)) != len(data) or got.get("crc32c", want) != want:
+                raise Transient(f"stored {got.get('size')} bytes with crc32c "
+                                f"{got.get('crc32c')}; sent {len(data)} with {want}")
         self._call(attempt, "upload of", key)
+
+    def _compose(self, key: str, parts: list[str], crc: int, total: int) -> None:
+        """Composes `parts` into `key` (32 at a time, in rounds) and checks the
+        result's size and crc32c."""
+        level = 0
+        while len(parts) > 32:
+            groups = [parts[i:i + 32] for i in range(0, len(parts), 32)]
+            names = [f"{key}{PART}c{level}_{i:05d}" for i in range(len(groups))]
+            for name, group in zip(names, groups):
+                self._compose_once(name, group)
+            parts, level = names, level + 1
+        blob = self._compose_once(key, parts)
+        want = base64.b64encode(crc.to_bytes(4, "big")).decode()
+        if int(blob.size) != total or (blob.crc32c and blob.crc32c != want):
+            self._delete_quietly(key)
+            raise StorageError(errno.EIO, f"{self._where(key)}: composed object has "
+                                          f"{blob.size} bytes, crc32c {blob.crc32c}; expected "
+                                          f"{total}, {want}; it was removed")
+
+    def _compose_once(self, key: str, parts: list[str]):
+        def attempt():
+            blob = self._bucket.blob(self._name(key))
+            blob.compose([self._bucket.blob(self._name(p)) for p in parts], retry=None,
+                         timeout=self._timeout())
+            return blob
+        return self._call(attempt, "compose of", key)
+
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            self.delete(key)
+        except StorageError:
+            pass  # a leftover part; removed with its step, or as an orphan
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         from google.api_core.exceptions import PreconditionFailed
@@ -192,7 +296,7 @@ class GcsStorage(Storage):
         def attempt() -> bool:
             blob = self._bucket.blob(self._name(key))
             try:
-                # Under MULTIPART_MAX this is one multipart request, the kind the
+                # Up to 8 MiB this is one multipart request, the kind the
                 # emulator also holds to the precondition (ENVIRONMENT.md).
                 blob.upload_from_file(io.BytesIO(data), size=len(data), if_generation_match=0,
                                       checksum="crc32c", retry=None, timeout=self._timeout())
@@ -244,12 +348,13 @@ class GcsStorage(Storage):
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
         view = memoryview(out).cast("B")
-        step = self.piece_bytes
+        step = READ_SPLIT
         if len(view) <= step:
             self._call(lambda: self._get_into(key, view, offset), "read of", key)
             return
         # Large objects come as parallel ranges: one stream tops out well below
-        # what the server and the memory bus can do (docs/gcs.md).
+        # what the server can do, and much smaller ranges cost more in
+        # per-request overhead than they gain (docs/gcs.md).
         futures = [self._pool.submit(self._call, (lambda a=a: self._get_into(
             key, view[a:a + step], offset + a)), "read of", key)
             for a in range(0, len(view), step)]
@@ -328,10 +433,11 @@ class GcsStorage(Storage):
 
 
 def _credentials(endpoint: str | None):
-    """(credentials, project): anonymous for an emulator on this host, else the
-    application default credentials."""
-    if endpoint is not None and urllib.parse.urlparse(endpoint).hostname in (
-            "127.0.0.1", "localhost", "::1"):
+    """(credentials, project): anonymous for an emulator (plain http, as
+    fake-gcs-server serves, or the STORAGE_EMULATOR_HOST the client itself
+    treats as one), else the application default credentials."""
+    if endpoint is not None and (urllib.parse.urlparse(endpoint).scheme == "http"
+                                 or os.environ.get("STORAGE_EMULATOR_HOST")):
         from google.auth.credentials import AnonymousCredentials
         return AnonymousCredentials(), "emulator"
     import google.auth

@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Callable, TypeVar
 
-from ..errors import StorageError
+from ..errors import CheckpointError, StorageError
 
 log = logging.getLogger("resilient_ckpt")
 T = TypeVar("T")
@@ -61,6 +61,8 @@ def http_status(e: BaseException) -> int | None:
 
 
 def is_transient(e: BaseException) -> bool:
+    if isinstance(e, CheckpointError):
+        return False  # our own verdict, already final (retries exhausted inside, say)
     if isinstance(e, Transient) or type(e).__name__ == "DataCorruption":
         return True  # a checksum mismatch in transit: the same request may succeed
     status = http_status(e)

@@ -12,6 +12,7 @@ not on resumable or media uploads.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
@@ -84,6 +85,7 @@ class FakeGcs:
                  "-log-level", "error", *args],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             if self._wait_ready(timeout):
+                atexit.register(self.stop)  # never outlive the interpreter that started it
                 return self
         raise RuntimeError("fake-gcs-server did not start on 127.0.0.1; is the port range "
                            "exhausted? (tried 5 ports)")
@@ -103,6 +105,7 @@ class FakeGcs:
         return False
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         proc, self._proc = self._proc, None
         if proc is not None:
             proc.terminate()

@@ -33,7 +33,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import jax
 
-from ..elastic import HealthCheck
+from ..failures import HealthCheck
 
 log = logging.getLogger("resilient_ckpt.testing.faults")
 
@@ -138,9 +138,8 @@ class FaultInjector:
         return healthy
 
     def _fire(self, f: DeviceFault, step: int) -> InjectedDeviceLoss:
-        t = time.perf_counter()
-        lost = self.lost
-        deleted = delete_buffers_on(lost)
+        deleted = delete_buffers_on(self.lost)
+        t = time.perf_counter()  # the step raises now: the loop's detection starts here
         self.log.append({"event": "fault", "step": step, "devices": f.devices, "time": t,
                          "buffers_deleted": deleted})
         log.info("devices %s lost at step %d (%d buffers deleted)", list(f.devices), step,

@@ -15,6 +15,8 @@ instead injects one of these faults, drawn at random (seeded):
 - "stall": forwards after sleeping `stall_s` (for testing timeouts; not in the
   default mix).
 
+`queue(*faults)` injects the given faults, in order, into the next matching
+requests, whatever the fraction: deterministic tests of one fault each.
 Upstream URLs in `Location` headers and JSON bodies are rewritten to the
 proxy's, so resumable upload sessions come back through it too. `faulted`
 counts the faults injected, `log` keeps (method, path, fault) per request.
@@ -45,11 +47,13 @@ class FaultProxy:
                  stall_s: float = 5.0,
                  match: Callable[[str, str], bool] | None = None):
         self.upstream = upstream.rstrip("/")
-        self.fraction, self.faults, self.stall_s, self.match = fraction, tuple(faults), stall_s, match
+        self.fraction, self.faults = fraction, tuple(faults)
+        self.stall_s, self.match = stall_s, match
         for f in self.faults:
             if f not in FAULTS + ("stall",):
                 raise ValueError(f"unknown fault {f!r}; choose from {FAULTS + ('stall',)}")
         self._rng = random.Random(seed)
+        self._queued: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self.faulted: collections.Counter = collections.Counter()
         self.log: list[tuple[str, str, str | None]] = []
@@ -71,12 +75,20 @@ class FaultProxy:
             if match is not ...:
                 self.match = match
 
+    def queue(self, *faults: str) -> None:
+        """Injects these faults into the next matching requests, in order."""
+        with self._lock:
+            self._queued.extend(faults)
+
     def _draw(self, method: str, path: str) -> str | None:
         with self._lock:
             fault = None
-            if (self.fraction > 0 and (self.match is None or self.match(method, path))
-                    and self._rng.random() < self.fraction):
-                fault = self._rng.choice(self.faults)
+            if self.match is None or self.match(method, path):
+                if self._queued:
+                    fault = self._queued.popleft()
+                elif self.fraction > 0 and self._rng.random() < self.fraction:
+                    fault = self._rng.choice(self.faults)
+            if fault is not None:
                 self.faulted[fault] += 1
             self.log.append((method, path, fault))
             return fault
@@ -87,6 +99,12 @@ class FaultProxy:
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self) -> None:
+                super().setup()
+                # Headers and body leave in separate writes; without this, Nagle's
+                # algorithm and delayed ACKs add tens of ms to every request.
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def log_message(self, *args) -> None:
                 pass
 
@@ -95,8 +113,15 @@ class FaultProxy:
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _any
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address) -> None:
+                import sys
+                if not isinstance(sys.exc_info()[1], OSError):  # a client that went away is normal
+                    super().handle_error(request, client_address)
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="rc-fault-proxy")
         self._thread.start()
@@ -126,7 +151,11 @@ class FaultProxy:
             return _reset(h)
         if fault == "stall":
             time.sleep(self.stall_s)
-        status, headers, payload = self._forward(h, body)
+        try:
+            status, headers, payload = self._forward(h, body)
+        except OSError as e:  # upstream gone (stopped at the end of a test, say)
+            msg = json.dumps({"error": {"code": 502, "message": f"upstream: {e}"}})
+            return _answer(h, 502, {"Content-Type": "application/json"}, msg.encode())
         if fault == "reset_after" or (fault == "truncate" and not payload):
             return _reset(h)
         if fault == "truncate":
@@ -144,6 +173,8 @@ class FaultProxy:
     def _forward(self, h, body: bytes) -> tuple[int, list, bytes]:
         up = urllib.parse.urlparse(self.upstream)
         conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
+        conn.connect()
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
             headers["Host"] = up.netloc

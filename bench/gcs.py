@@ -1,0 +1,288 @@
+"""Save and restore through GCS: resilient_ckpt's GCS tier vs Orbax, same emulator.
+
+One fake-gcs-server (the bundled binary, memory backend) on 127.0.0.1 serves
+both systems in one run, interleaved within each repeat. The state: weights of
+one dtype (float32 or bfloat16; normal, std 0.02, as at initialization) on 8
+CPU devices, a (data=4, model=2) mesh, 16 leaves of varied shapes.
+
+- resilient_ckpt, `save_gcs_zstd` / `save_gcs_raw`: a manager whose only tier is
+  GcsTier (codec zstd, the default; or raw): `save` + `wait_until_finished`,
+  i.e. until the manifest is committed on GCS;
+- resilient_ckpt, `save_gcs_from_ram`: RamTier + GcsTier (raw, the default),
+  the usual setup: the RAM tier writes the step, then the upload reads the RAM
+  tier's copy; timed from `save` until the GCS commit;
+- resilient_ckpt, `restore_gcs_zstd` / `restore_gcs_raw`: a fresh manager on
+  the GCS tier alone (a new machine), `restore` onto the saved shardings;
+- orbax: `orbax.checkpoint.CheckpointManager` on gs:// (tensorstore through the
+  emulator): `save` + `wait_until_finished`, and `restore` by a fresh manager;
+- limit: zstd level 1 compression and decompression of the state's bytes on
+  one thread (ratio and GB/s), the codec's own cost.
+
+Output (../shared/BENCH.md): one JSON line per (system, case, dtype, size),
+then a summary line: `*_speedup_vs_orbax` = Orbax's time / ours (> 1: we are
+faster). Goals: restore >= 2, save >= 1.
+
+    python bench/gcs.py                       # 1 GB, float32 and bfloat16, 3 repeats
+    python bench/gcs.py --quick               # 128 MB, 2 repeats (< 2 min)
+    python bench/gcs.py --sizes 1GB,4GB --dtypes bfloat16 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
+
+log = logging.getLogger("bench.gcs")
+BENCH = "gcs"
+BUCKET = "bench-gcs"
+PRINTED: list[dict] = []
+
+
+def emit(obj: dict) -> None:
+    PRINTED.append(obj)
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if s.endswith(unit):
+            return int(float(s[:-len(unit)]) * mult)
+    return int(s)
+
+
+def label(n: int) -> str:
+    return f"{n / 1e9:g}gb" if n >= 10**9 else f"{round(n / 1e6)}mb"
+
+
+def trim() -> None:
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def build_state(total: int, dtype, mesh: Mesh) -> dict:
+    """16 leaves of about total/16 bytes each, shapes varied, sharded over (data, model)."""
+    item = np.dtype(dtype).itemsize
+    per = total // 16 // item
+    specs = [P("data", "model"), P("model", "data"), P("data", None), P(None, "model")]
+    out = {}
+    for i in range(16):
+        cols = 512 * (1 + i % 4)
+        rows = max(8, per // cols // 8 * 8)
+        sharding = NamedSharding(mesh, specs[i % 4])
+
+        def cb(index, shape=(rows, cols), seed=i):
+            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+            start = tuple(s.indices(n)[0] for s, n in zip(index, shape))
+            rng = np.random.default_rng([seed, *start])
+            return (rng.standard_normal(sub, dtype=np.float32) * 0.02).astype(dtype)
+        out[f"w{i:02d}"] = jax.make_array_from_callback((rows, cols), sharding, cb)
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+def abstract_of(state: dict) -> dict:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        state)
+
+
+class Ours:
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+
+    def tier(self, url: str, codec: str):
+        from resilient_ckpt import GcsTier
+        return GcsTier(url, endpoint=self.endpoint, codec=codec)
+
+    def save(self, url: str, state: dict, codec: str, ram: str | None = None) -> tuple:
+        import orbax.checkpoint as ocp
+        from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
+        tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
+        with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
+            t0 = time.perf_counter()
+            m.save(1, args=ocp.args.StandardSave(state))
+            m.wait_until_finished()
+            dt = time.perf_counter() - t0
+            tw = m.save_records[-1].tiers["gcs"]
+        return dt, tw.stored_bytes
+
+    def restore(self, url: str, state: dict, codec: str) -> float:
+        import orbax.checkpoint as ocp
+        from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
+        opts = CheckpointManagerOptions(tiers=[self.tier(url, codec)], read_only=True)
+        t0 = time.perf_counter()
+        with CheckpointManager(url, options=opts) as m:
+            out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
+        assert same(out, state), "resilient_ckpt restored different values"
+        return dt
+
+
+class Orbax:
+    def save(self, url: str, state: dict) -> float:
+        import orbax.checkpoint as ocp
+        with ocp.CheckpointManager(url) as m:
+            t0 = time.perf_counter()
+            m.save(1, args=ocp.args.StandardSave(state))
+            m.wait_until_finished()
+            return time.perf_counter() - t0
+
+    def restore(self, url: str, state: dict) -> float:
+        import orbax.checkpoint as ocp
+        t0 = time.perf_counter()
+        with ocp.CheckpointManager(url) as m:
+            out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
+        assert same(out, state), "orbax restored different values"
+        return dt
+
+
+def remove(endpoint: str, url: str) -> None:
+    from resilient_ckpt.storage.gcs import GcsStorage
+    st = GcsStorage(url, endpoint=endpoint)
+    for name in st.list(""):
+        st.delete_dir(name)
+    st.close()
+
+
+def codec_limit(state: dict, level: int = 1) -> dict:
+    """zstd on one thread over every unique shard: ratio, compress and decompress GB/s."""
+    import zstandard
+    shards = [np.asarray(s.data) for a in state.values() for s in a.addressable_shards
+              if s.replica_id == 0]
+    raw = sum(x.nbytes for x in shards)
+    t0 = time.perf_counter()
+    packed = [zstandard.ZstdCompressor(level=level).compress(x) for x in shards]
+    tc = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p, x in zip(packed, shards):
+        zstandard.ZstdDecompressor().decompress(p, max_output_size=x.nbytes)
+    td = time.perf_counter() - t0
+    return {"ratio": raw / sum(len(p) for p in packed), "compress_gb_s": raw / tc / 1e9,
+            "decompress_gb_s": raw / td / 1e9}
+
+
+def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh) -> dict:
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    state = build_state(size, dtype, mesh)
+    nbytes = sum(a.nbytes for a in state.values())
+    ours, orbax, runs, stored, lims = Ours(endpoint), Orbax(), {}, {}, []
+    ram = tempfile.mkdtemp(prefix="bench_gcs_ram_", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                           else None)
+
+    def add(system: str, case: str, seconds: float) -> None:
+        runs.setdefault((system, case), []).append(seconds)
+        log.info("%s %s %s %s: %.2f s (%.0f MB/s)", label(size), dtype_name, system, case,
+                 seconds, nbytes / seconds / 1e6)
+    try:
+        for r in range(repeats):
+            run = uuid.uuid4().hex[:8]
+            urls = {k: f"gs://{BUCKET}/{run}/{k}" for k in ("zstd", "raw", "ram", "orbax")}
+            dt, stored["zstd"] = ours.save(urls["zstd"], state, "zstd")
+            add("resilient_ckpt", "save_gcs_zstd", dt)
+            add("orbax", "save_gcs", orbax.save(urls["orbax"], state))
+            dt, stored["raw"] = ours.save(urls["raw"], state, "raw")
+            add("resilient_ckpt", "save_gcs_raw", dt)
+            add("resilient_ckpt", "save_gcs_from_ram", ours.save(urls["ram"], state, "raw",
+                                                                 ram=ram)[0])
+            shutil.rmtree(ram, ignore_errors=True)
+            trim()
+            add("resilient_ckpt", "restore_gcs_zstd", ours.restore(urls["zstd"], state, "zstd"))
+            trim()
+            add("orbax", "restore_gcs", orbax.restore(urls["orbax"], state))
+            trim()
+            add("resilient_ckpt", "restore_gcs_raw", ours.restore(urls["raw"], state, "raw"))
+            trim()
+            for u in urls.values():
+                remove(endpoint, u)
+            lims.append(codec_limit(state))
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+    del state
+    trim()
+    common = {"bench": BENCH, "bytes": nbytes, "dtype": dtype_name, "devices": 8}
+    for (system, case), xs in runs.items():
+        med = statistics.median(xs)
+        extra = {"stored_bytes": stored[case.rsplit("_", 1)[1]]} if case in (
+            "save_gcs_zstd", "save_gcs_raw") else {}
+        emit({**common, "system": system, "case": case, "runs_s": xs, "median_s": med,
+              "mb_per_s": round(nbytes / med / 1e6, 1), **extra})
+    emit({**common, "system": "limit", "case": "zstd_level1_one_thread",
+          **{k: round(statistics.median(x[k] for x in lims), 3) for k in lims[0]},
+          "runs": lims})
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    key = f"{label(size)}_{dtype_name}"
+    o_save, o_rest = med[("orbax", "save_gcs")], med[("orbax", "restore_gcs")]
+    return {
+        f"restore_gcs_zstd_speedup_vs_orbax_{key}": o_rest / med[("resilient_ckpt",
+                                                                  "restore_gcs_zstd")],
+        f"restore_gcs_raw_speedup_vs_orbax_{key}": o_rest / med[("resilient_ckpt",
+                                                                 "restore_gcs_raw")],
+        f"save_gcs_zstd_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt",
+                                                               "save_gcs_zstd")],
+        f"save_gcs_raw_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt", "save_gcs_raw")],
+        f"save_gcs_from_ram_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt",
+                                                                   "save_gcs_from_ram")],
+        f"zstd_stored_fraction_{key}": stored["zstd"] / nbytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="128 MB, 2 repeats")
+    p.add_argument("--sizes", default="1GB", help="comma-separated state sizes (default 1GB)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plot", help="ignored (no plot for this bench)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    for name in ("absl", "jax", "orbax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    sizes = [128 * 10**6] if a.quick else [parse_size(s) for s in a.sizes.split(",")]
+    repeats = 2 if a.quick else a.repeats
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    summary = {}
+    with FakeGcs() as server:
+        os.environ.update(server.env())  # Orbax (tensorstore) reads these at first use
+        server.create_bucket(BUCKET)
+        for size in sizes:
+            for dt in a.dtypes.split(","):
+                summary.update(run_one(size, dt, repeats, server.endpoint, mesh))
+    emit({"bench": BENCH, "summary": {k: round(v, 3) for k, v in summary.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

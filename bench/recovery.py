@@ -1,0 +1,474 @@
+"""Recovery from lost devices: the in-process elastic loop vs relaunching.
+
+The model is a stand-in for an embedding-heavy network: a table and its
+momentum (most of the state, rows sharded over every device) updated sparsely,
+and a small dense layer, so a step costs little next to the state's size. Eight
+CPU devices form a (data=4, model=2) mesh; devices 4-7 "fail" (a DATA_LOSS
+raised at a chosen step, their buffers deleted: the simulated fault of
+resilient_ckpt.testing.faults) and training goes on with 4.
+
+Cases, each timed from the failure to the next completed step, interleaved
+within each repeat so that other tenants' noise hits all alike:
+
+- resilient_ckpt / loop: `Elastic` with `build=` (the step for the likely
+  smaller mesh compiled ahead of time, in the background): health check, RAM
+  tier restore onto the 4-device mesh, first step;
+- resilient_ckpt / loop_jit: the same without `build=` (the step is jitted and
+  compiled on the recovery path);
+- orbax / relaunch: what a job does without in-process recovery: a fresh
+  Python process imports jax, builds the 4-device mesh, restores the same state
+  with orbax.checkpoint.CheckpointManager from local disk (warm page cache) and
+  runs one step; timed from the spawn, the failure detection by a scheduler
+  and the rescheduling not counted;
+- orbax / relaunch_compile_cache: the same with jax's persistent compilation
+  cache already holding the step (the best a relaunch can do on compiles).
+
+Then one goodput run: --goodput-steps steps with devices 4-7 failing every
+--fail-every steps and coming back --fail-every/2 steps later; goodput = time
+on steps that are kept / wall time (a kept step counts for the median step time
+of its mesh when its own time includes a compile or a wait).
+
+Output (../shared/BENCH.md): JSON lines on stdout, the summary last; logs on stderr.
+
+    python bench/recovery.py                  # 1 GB state, 3 repeats; goodput 1000 steps at 256 MB
+    python bench/recovery.py --quick          # 128 MB, 2 repeats; goodput 400 steps at 64 MB
+    python bench/recovery.py --sizes 512MB --repeats 5 --plot docs/benchmarks_recovery.png
+"""
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BENCH = "recovery"
+D = 256          # embedding width
+BATCH = 1024     # rows looked up per step
+GOALS = {  # summary key prefix -> (comparison, goal), from the issue
+    "loop_fraction_of_relaunch": ("<=", 0.10),
+    "goodput": (">=", 0.90),
+    "steps_lost_max_vs_ram_interval": ("<=", 1.0),
+}
+log = logging.getLogger("bench.recovery")
+
+
+# ---------------------------------------------------------------- helpers
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[:-len(unit)]) * mult)
+    return int(s)
+
+
+def size_label(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 10**9:g}gb".replace(".", "p")
+    return f"{round(n / 10**6)}mb"
+
+
+PRINTED: list[dict] = []  # every line printed so far, for --plot
+
+
+def emit(obj: dict) -> None:
+    PRINTED.append(obj)
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------- the model
+
+def build(mesh, nbytes: int):
+    """(compiled step(state) -> (state, loss), abstract state, init) on `mesh`
+    for a state of about `nbytes`: table + momentum (V x D f32 each, rows
+    sharded over every device), a replicated D x D layer, a step counter."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rows = max(64, nbytes // (2 * 4 * D) // 64 * 64)
+    by_row = NamedSharding(mesh, P(tuple(mesh.axis_names), None))
+    rep = NamedSharding(mesh, P())
+    sh = {"emb": by_row, "mom": by_row, "w": rep, "count": rep}
+
+    def init():
+        return {"emb": jax.random.normal(jax.random.key(0), (rows, D)) * 0.1,
+                "mom": jnp.zeros((rows, D)),
+                "w": jax.random.normal(jax.random.key(1), (D, D)) / D ** 0.5,
+                "count": jnp.zeros((), jnp.int32)}
+
+    def step(s):
+        idx = jax.random.randint(jax.random.fold_in(jax.random.key(2), s["count"]),
+                                 (BATCH,), 0, rows)
+        x = s["emb"][idx]
+        target = jnp.sin(x[:, ::-1])
+
+        def loss_fn(x, w):
+            return jnp.mean((jnp.tanh(x @ w) - target) ** 2)
+
+        loss, (gx, gw) = jax.value_and_grad(loss_fn, argnums=(0, 1))(x, s["w"])
+        mom = s["mom"].at[idx].multiply(0.9).at[idx].add(gx)
+        emb = s["emb"].at[idx].add(-0.5 * mom[idx])
+        return {"emb": emb, "mom": mom, "w": s["w"] - 0.1 * gw, "count": s["count"] + 1}, loss
+
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(init), sh)
+    jitted = jax.jit(step, donate_argnums=0, out_shardings=(sh, rep))
+    return jitted, abstract, jax.jit(init, out_shardings=sh)
+
+
+def build_aot(mesh, nbytes: int):
+    step, abstract, init = build(mesh, nbytes)
+    return step.lower(abstract).compile(), abstract, init
+
+
+def meshes():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    devices = jax.devices()[:8]
+    full = Mesh(np.array(devices).reshape(4, 2), ("data", "model"))
+    small = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
+    return full, small
+
+
+# ---------------------------------------------------------------- the relaunched process
+
+def child(a) -> int:
+    """A relaunched job: import jax, mesh, Orbax restore, one step. Prints phases."""
+    t0 = time.perf_counter()
+    import jax
+    if a.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", a.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    import orbax.checkpoint as ocp
+    t_import = time.perf_counter()
+    _, small = meshes()
+    step, abstract, _ = build(small, a.nbytes)
+    t_mesh = time.perf_counter()
+    mngr = ocp.CheckpointManager(a.orbax_dir)
+    state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+    jax.block_until_ready(state)
+    t_restore = time.perf_counter()
+    state, loss = step(state)
+    float(loss)
+    t_step = time.perf_counter()
+    print(json.dumps({"import_s": t_import - t0, "mesh_s": t_mesh - t_import,
+                      "restore_s": t_restore - t_mesh, "first_step_s": t_step - t_restore}),
+          flush=True)
+    mngr.close()
+    return 0
+
+
+def relaunch(a, nbytes: int, orbax_dir: str, cache: str | None) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--nbytes", str(nbytes),
+           "--orbax-dir", orbax_dir] + (["--compile-cache", cache] if cache else [])
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    total = time.perf_counter() - t0
+    proc.wait()
+    if proc.returncode or not line:
+        raise RuntimeError(f"the relaunched process failed ({proc.returncode}): {cmd}")
+    phases = json.loads(line)
+    # The interpreter's own start, before the child's first line ran.
+    return {"total_s": total, "spawn_s": total - sum(phases.values()), **phases}
+
+
+# ---------------------------------------------------------------- the loop
+
+def manager(a, tag: str):
+    from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
+    local = tempfile.mkdtemp(prefix=f"rc-recovery-{tag}-", dir=a.workdir)
+    ram = tempfile.mkdtemp(prefix=f"rc-recovery-{tag}-", dir=a.shm)
+    mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=[
+        RamTier(every=a.ram_every, keep=2, path=ram), LocalTier(every=a.local_every, keep=2)]))
+    return mngr, [local, ram]
+
+
+def loop_recovery(a, nbytes: int, aot: bool, check) -> dict:
+    """One elastic run that fails once: the failure's RecoveryEvent, as a dict."""
+    from resilient_ckpt import Elastic
+    from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
+    full, small = meshes()
+    fail_at = 2 * a.ram_every + a.ram_every // 2 + 1
+    faults = FaultInjector([DeviceFault(fail_at, (4, 5, 6, 7))], check=check)
+    mngr, dirs = manager(a, "loop")
+    try:
+        el = Elastic(mngr, full, health_check=faults.health_check,
+                     build=(lambda m: build_aot(m, nbytes)) if aot else None)
+
+        @el.run
+        def train(mesh):
+            step_fn, abstract, init = el.program(mesh) if aot else build(mesh, nbytes)
+            step_fn = faults.wrap(step_fn)
+            state, start = el.restore(abstract, init)
+            for step in range(start + 1, fail_at + 3):
+                if aot and step == fail_at:
+                    # A job fails hours in, not seconds: let the background build
+                    # of the smaller mesh's step finish first (this waits for it).
+                    el.program(small)
+                state, loss = step_fn(step, state)
+                el.save(step, state)
+
+        train()
+        mngr.wait_until_finished()
+        return el.timeline[0].to_dict()
+    finally:
+        mngr.close()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def orbax_checkpoint(a, nbytes: int) -> str:
+    """The same state, saved with Orbax to local disk, for the relaunch cases."""
+    import orbax.checkpoint as ocp
+    full, _ = meshes()
+    step, _, init = build(full, nbytes)
+    state, _ = step(init())
+    d = tempfile.mkdtemp(prefix="rc-recovery-orbax-", dir=a.workdir)
+    mngr = ocp.CheckpointManager(d)
+    mngr.save(1, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    mngr.close()
+    return d
+
+
+def measure_size(a, nbytes: int, check) -> dict:
+    orbax_dir = orbax_checkpoint(a, nbytes)
+    cache = tempfile.mkdtemp(prefix="rc-recovery-xla-cache-", dir=a.workdir)
+    runs: dict[str, list[dict]] = {k: [] for k in ("loop", "loop_jit", "relaunch",
+                                                   "relaunch_compile_cache")}
+    try:
+        relaunch(a, nbytes, orbax_dir, cache)  # fills the compilation cache (not timed)
+        cases = list(runs)
+        for r in range(a.repeats):
+            for case in cases[r % len(cases):] + cases[:r % len(cases)]:
+                if case.startswith("loop"):
+                    out = loop_recovery(a, nbytes, case == "loop", check)
+                else:
+                    out = relaunch(a, nbytes, orbax_dir,
+                                   cache if case == "relaunch_compile_cache" else None)
+                runs[case].append(out)
+                log.info("%s %s repeat %d: %.3f s", size_label(nbytes), case, r,
+                         out["total_s"])
+    finally:
+        shutil.rmtree(orbax_dir, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+    medians = {}
+    for case, outs in runs.items():
+        system = "resilient_ckpt" if case.startswith("loop") else "orbax"
+        totals = [o["total_s"] for o in outs]
+        phases = {k: median([o[k] for o in outs if o.get(k) is not None])
+                  for k in outs[0] if k.endswith("_s") and k != "total_s"}
+        line = {"bench": BENCH, "system": system, "case": case, "size": size_label(nbytes),
+                "bytes": nbytes, "devices": "8->4", "runs_s": totals,
+                "median_s": median(totals), "phases_median_s": phases}
+        if system == "resilient_ckpt":
+            line["steps_lost"] = [o["steps_lost"] for o in outs]
+            line["restored_from"] = outs[-1]["restored_from"]
+        emit(line)
+        medians[case] = median(totals)
+    return medians
+
+
+# ---------------------------------------------------------------- goodput
+
+def goodput(a, nbytes: int, check) -> dict:
+    """A long run with a failure every --fail-every steps (devices 4-7, back
+    half an interval later). Goodput = time on kept steps / wall time, both from
+    the end of step 1 (start-up costs are the same with or without failures)
+    to the end of the last step. A kept step counts for its own time (saves
+    included), except the first step after a restore or scale-up, whose time
+    includes the recovery: it counts for the median step time of its mesh."""
+    from resilient_ckpt import Elastic
+    from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
+    full, _ = meshes()
+    every = a.fail_every
+    faults = FaultInjector([DeviceFault(s, (4, 5, 6, 7), s + every // 2)
+                            for s in range(every, a.goodput_steps, every)], check=check)
+    mngr, dirs = manager(a, "goodput")
+    done: list[tuple[int, float, int, bool]] = []  # step, end time, mesh size, first after entry
+    entries: list[tuple[int, int]] = []            # (index into done, restored step)
+    try:
+        el = Elastic(mngr, full, health_check=faults.health_check, rescale_every_s=1.0,
+                     build=lambda m: build_aot(m, nbytes))
+
+        @el.run
+        def train(mesh):
+            step_fn, abstract, init = el.program(mesh)
+            step_fn = faults.wrap(step_fn)
+            state, start = el.restore(abstract, init)
+            entries.append((len(done), start))
+            for step in range(start + 1, a.goodput_steps + 1):
+                state, loss = step_fn(step, state)
+                loss.block_until_ready()  # time each step, not its dispatch
+                el.save(step, state)
+                done.append((step, time.perf_counter(), mesh.size, step == start + 1))
+
+        train()
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    kept: dict[int, tuple[float | None, int]] = {}  # step -> (seconds, or None if first; size)
+    for i, (step, t_end, size, first) in enumerate(done):
+        for idx, restored in entries:
+            if idx == i:  # a (re)entry restored `restored`: later steps done so far are lost
+                for s in [s for s in kept if s > restored]:
+                    del kept[s]
+        kept[step] = (None if first else t_end - done[i - 1][1], size)
+    kept.pop(1, None)
+    wall = done[-1][1] - done[0][1]
+    med = {size: median([sec for sec, sz in kept.values() if sz == size and sec is not None])
+           for size in {sz for _, sz in kept.values()}}
+    useful = sum(med[size] if sec is None else sec for sec, size in kept.values())
+    fails = [e for e in el.timeline if e.kind == "failure"]
+    ups = [e for e in el.timeline if e.kind == "scale_up"]
+    line = {"bench": BENCH, "system": "resilient_ckpt", "case": "goodput",
+            "size": size_label(nbytes), "bytes": nbytes, "devices": "8<->4",
+            "steps": a.goodput_steps, "fail_every": every, "ram_every": a.ram_every,
+            "wall_s": wall, "useful_s": useful, "goodput": useful / wall,
+            "failures": len(fails), "scale_ups": len(ups),
+            "steps_lost": [e.steps_lost for e in fails],
+            "recovery_total_s": [e.total_s for e in fails],
+            "scale_up_total_s": [e.total_s for e in ups],
+            "phases_median_s": {kind: {k: median([getattr(e, k) for e in evs
+                                                  if getattr(e, k) is not None])
+                                       for k in ("health_s", "rebuild_s", "restore_s",
+                                                 "resume_s")}
+                                for kind, evs in (("failure", fails), ("scale_up", ups)) if evs},
+            "median_step_s": {str(k): v for k, v in med.items()},
+            "kept_steps": len(kept) + 1}
+    emit(line)
+    return line
+
+
+# ---------------------------------------------------------------- plot
+
+def plot(lines: list[dict], out: str) -> None:
+    """Per size, each case's median recovery time split into its phases."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [ln for ln in lines if ln.get("case") in ("loop", "loop_jit", "relaunch",
+                                                     "relaunch_compile_cache")]
+    sizes = list(dict.fromkeys(ln["size"] for ln in rows))
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(11, 2.8 * len(sizes)), squeeze=False)
+    colors = {"spawn_s": "#ff7f0e", "detect_s": "#999999", "health_s": "#8c564b", "rebuild_s": "#bcbd22",
+              "restore_s": "#1f77b4", "resume_s": "#2ca02c", "import_s": "#d62728",
+              "mesh_s": "#999999", "first_step_s": "#2ca02c"}
+    for ax, size in zip(axes[:, 0], sizes):
+        cases = [ln for ln in rows if ln["size"] == size]
+        for y, ln in enumerate(cases):
+            left, phases = 0.0, ln["phases_median_s"]
+            for k, v in phases.items():
+                ax.barh(y, v or 0.0, left=left, color=colors.get(k, "#cccccc"),
+                        label=k[:-2] if y == 0 or ln["system"] == "orbax" else None)
+                left += v or 0.0
+            ax.text(ln["median_s"], y, f" {ln['median_s']:.2f} s (median total)", va="center")
+        ax.set_yticks(range(len(cases)), [f"{ln['system']}\n{ln['case']}" for ln in cases])
+        ax.set_xlabel("seconds from the failure to the next completed step")
+        ax.set_title(f"recovery, {size} state, 8 -> 4 CPU devices (phases: medians)")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize=8)
+        ax.set_xlim(0, max(ln["median_s"] for ln in cases) * 1.35)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+# ---------------------------------------------------------------- main
+
+def goals_met(summary: dict) -> dict:
+    out = {}
+    for key, value in summary.items():
+        for prefix, (op, goal) in GOALS.items():
+            if key.startswith(prefix) and value is not None:
+                out[key] = value <= goal if op == "<=" else value >= goal
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="128 MB, 2 repeats, short goodput run")
+    ap.add_argument("--sizes", default=None, help="state sizes, comma separated (default 1GB)")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats per size (default 3)")
+    ap.add_argument("--goodput-mb", type=float, default=None,
+                    help="state size of the goodput run in MB (default 256; quick 64)")
+    ap.add_argument("--goodput-steps", type=int, default=None,
+                    help="steps of the goodput run (default 1000; quick 400)")
+    ap.add_argument("--fail-every", type=int, default=200,
+                    help="a failure every N steps in the goodput run (default 200)")
+    ap.add_argument("--ram-every", type=int, default=10, help="RAM tier interval (default 10)")
+    ap.add_argument("--local-every", type=int, default=50, help="local tier interval (default 50)")
+    ap.add_argument("--workdir", default=None, help="directory for the local tiers and Orbax")
+    ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the RAM tier")
+    ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--orbax-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-cache", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("resilient_ckpt").setLevel(logging.ERROR)
+    if a.child:
+        return child(a)
+    sizes = [parse_size(s) for s in (a.sizes or ("128MB" if a.quick else "1GB")).split(",")]
+    a.repeats = a.repeats or (2 if a.quick else 3)
+    a.goodput_steps = a.goodput_steps or (400 if a.quick else 1000)
+    goodput_bytes = int((a.goodput_mb or (64 if a.quick else 256)) * 10**6)
+    own = a.workdir is None
+    a.workdir = a.workdir or tempfile.mkdtemp(prefix="rc-bench-recovery-")
+    from resilient_ckpt import HealthCheck
+    import jax
+    check = HealthCheck()
+    check.prepare(jax.devices()[:8])
+    summary: dict = {}
+    try:
+        for n in sizes:
+            m = measure_size(a, n, check)
+            label = size_label(n)
+            summary[f"loop_fraction_of_relaunch_{label}"] = m["loop"] / m["relaunch"]
+            summary[f"loop_vs_relaunch_compile_cache_fraction_{label}"] = (
+                m["loop"] / m["relaunch_compile_cache"])
+            summary[f"recovery_speedup_vs_relaunch_{label}"] = m["relaunch"] / m["loop"]
+            summary[f"loop_jit_fraction_of_relaunch_{label}"] = m["loop_jit"] / m["relaunch"]
+        g = goodput(a, goodput_bytes, check)
+        summary[f"goodput_{size_label(goodput_bytes)}"] = g["goodput"]
+        lost = [s for s in g["steps_lost"] if s is not None]
+        summary["steps_lost_max_vs_ram_interval"] = (max(lost) / a.ram_every) if lost else None
+    finally:
+        if own:
+            shutil.rmtree(a.workdir, ignore_errors=True)
+    emit({"bench": BENCH, "summary": summary, "goals_met": goals_met(summary)})
+    if a.plot:
+        plot(PRINTED, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

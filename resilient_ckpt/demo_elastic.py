@@ -1,0 +1,212 @@
+"""The elastic demo: `python -m resilient_ckpt.demo --elastic [--mb 160] [--steps 60]`.
+
+This module owns the elastic demo only; it uses the public API as a user would.
+One process drives 8 CPU devices as a (data=4, model=2) mesh and trains a small
+pure-JAX MLP (params and Adam moments written by hand, about --mb MiB of state)
+with a jitted step that donates the state. A RAM tier saves every 3 steps and a
+local-disk tier every 15. At step --fail-at devices 4-7 "fail" (the step raises
+DATA_LOSS and their buffers are deleted: simulated by
+`resilient_ckpt.testing.faults`, since CPU devices cannot die); `Elastic`
+health-checks the devices, goes on with the 4 healthy ones on a (data=2,
+model=2) mesh from the newest viable step, and when the devices pass the health
+check again (from step --repair-at) it scales back to 8 at the next save point.
+It ends with the recovery timeline and the loss before and after both events.
+"""
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+import argparse
+import functools
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from .elastic import Elastic, format_timeline
+from .manager import CheckpointManager, CheckpointManagerOptions
+from .testing.faults import DeviceFault, FaultInjector
+from .tiers import LocalTier, RamTier
+
+D = 256      # input and output width of the MLP
+BATCH = 64   # global batch; divides every data-axis size the mesh can shrink to
+LR = 1e-3
+
+
+def hidden_width(mb: float) -> int:
+    """Hidden width giving a state (params + two Adam moments, f32) of ~mb MiB."""
+    n = mb * 2**20 / 12
+    return max(16, int(-D + (D * D + n) ** 0.5) // 16 * 16)
+
+
+def build(mesh, mb: float):
+    """(compiled step(state) -> (state, loss), abstract state on `mesh`, init)
+    for a state of ~mb MiB. The step is compiled here, ahead of time, so that
+    `Elastic` can build it for a likely mesh before it is needed. The batch of
+    each step is a function of the step count, so a replayed step sees the same
+    data."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    h = hidden_width(mb)
+    shapes = {"w1": (D, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, D), "b3": (D,)}
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None),
+             "b2": P(), "w3": P(None, "model"), "b3": P("model")}
+    ns = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    shardings = {"params": ns, "m": ns, "v": ns, "count": NamedSharding(mesh, P())}
+
+    def init():
+        keys = dict(zip(shapes, jax.random.split(jax.random.key(0), len(shapes))))
+        params = {k: (jax.random.normal(keys[k], s) / s[0] ** 0.5 if len(s) == 2
+                      else jnp.zeros(s)) for k, s in shapes.items()}
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return {"params": params, "m": zeros, "v": zeros, "count": jnp.zeros((), jnp.int32)}
+
+    def loss_fn(p, x, y):
+        z = jax.nn.gelu(x @ p["w1"] + p["b1"])
+        z = jax.nn.gelu(z @ p["w2"] + p["b2"])
+        return jnp.mean((z @ p["w3"] + p["b3"] - y) ** 2)
+
+    def step(state):
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(1), state["count"]), (BATCH, D))
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None)))
+        y = jnp.tanh(x @ (jax.random.normal(jax.random.key(2), (D, D)) / D ** 0.5))
+        loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
+        t = state["count"] + 1
+        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["m"], g)
+        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, state["v"], g)
+        c1, c2 = 1 - 0.9 ** t, 1 - 0.999 ** t
+        params = jax.tree.map(lambda p, m, v: p - LR * (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
+                              state["params"], m, v)
+        return {"params": params, "m": m, "v": v, "count": t}, loss
+
+    init_fn = jax.jit(init, out_shardings=shardings)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(init), shardings)
+    step_fn = jax.jit(step, donate_argnums=0,
+                      out_shardings=(shardings, NamedSharding(mesh, P())))
+    return step_fn.lower(abstract).compile(), abstract, init_fn
+
+
+def run(a) -> int:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        sys.exit(f"the demo needs 8 CPU devices, got {len(devices)}; "
+                 f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
+    mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    mngr = CheckpointManager(a.dir, options=CheckpointManagerOptions(
+        tiers=[RamTier(every=a.ram_every, keep=2), LocalTier(every=a.local_every, keep=2)]))
+    if mngr.all_steps():
+        sys.exit(f"{a.dir} already holds steps {mngr.all_steps()}; pass a fresh --dir")
+    faults = FaultInjector([DeviceFault(a.fail_at, (4, 5, 6, 7), a.repair_at)])
+    # The demo checks for returned devices at every save point; a real job would
+    # keep the default interval (60 s) or call el.request_rescale() on a signal.
+    el = Elastic(mngr, mesh, health_check=faults.health_check, rescale_every_s=0,
+                 build=functools.partial(build, mb=a.mb), grow_wait_s=a.grow_wait_s)
+    losses: dict[int, float] = {}
+
+    @el.run
+    def train(mesh):
+        step_fn, abstract, init = el.program(mesh)
+        step_fn = faults.wrap(step_fn)
+        state, start = el.restore(abstract, init)
+        print(f"  -- {mesh.size} devices, mesh {dict(mesh.shape)}, from step {start}",
+              flush=True)
+        for step in range(start + 1, a.steps + 1):
+            state, loss = step_fn(step, state)
+            losses[step] = float(loss)
+            el.save(step, state, metrics={"loss": losses[step]})
+            if step % 5 == 0 or step in (start + 1, a.steps):
+                print(f"  step {step:3d}  loss {losses[step]:.4f}", flush=True)
+
+    t0 = time.perf_counter()
+    train()
+    mngr.wait_until_finished()
+    mngr.close()
+    return report(a, el, losses, time.perf_counter() - t0)
+
+
+def report(a, el: Elastic, losses: dict[int, float], wall_s: float) -> int:
+    """Prints the timeline and the loss; returns 0 when the run checks out."""
+    print("\nrecovery timeline (ms):")
+    print(format_timeline(el.timeline))
+    fail = next((e for e in el.timeline if e.kind == "failure"), None)
+    up = next((e for e in el.timeline if e.kind == "scale_up"), None)
+
+    def mean(lo: int, hi: int) -> float:
+        return statistics.fmean(losses[s] for s in range(max(1, lo), hi + 1) if s in losses)
+
+    first, before = mean(1, 3), mean(a.fail_at - 3, a.fail_at - 1)
+    middle = mean(up.step - 2, up.step) if up else float("nan")
+    last = mean(a.steps - 2, a.steps)
+    rows = [("state size", f"{a.mb:g} MiB, {a.steps} steps in {wall_s:.1f} s"),
+            ("loss, steps 1-3", f"{first:.4f}"),
+            (f"loss before the failure (steps {a.fail_at - 3}-{a.fail_at - 1}, 8 devices)",
+             f"{before:.4f}")]
+    if fail is not None:
+        rows.append(("failure", fail.summary()))
+    if up is not None:
+        rows += [(f"loss before the scale-up (steps {up.step - 2}-{up.step}, 4 devices)",
+                  f"{middle:.4f}"), ("scale-up", up.summary())]
+    rows.append((f"loss at the end (steps {a.steps - 2}-{a.steps}, 8 devices)", f"{last:.4f}"))
+    width = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    ok = (fail is not None and fail.outcome == "resumed" and up is not None
+          and up.outcome == "resumed" and first > before > middle > last)
+    if not ok:
+        print("the elastic run does not check out (expected a recovered failure, a "
+              "scale-up, and a loss falling across both)", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m resilient_ckpt.demo --elastic",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one, "
+                                 "removed at the end with its RAM tier)")
+    p.add_argument("--mb", type=float, default=160, help="state size in MiB (default 160)")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--fail-at", type=int, default=20,
+                   help="the step at which devices 4-7 fail (default 20)")
+    p.add_argument("--repair-at", type=int, default=35,
+                   help="the step from which they pass health checks again (default 35)")
+    p.add_argument("--ram-every", type=int, default=3, help="RAM tier interval (default 3)")
+    p.add_argument("--local-every", type=int, default=15,
+                   help="local tier interval (default 15)")
+    p.add_argument("--grow-wait-s", type=float, default=120,
+                   help="how long to go on with 4 devices while the 8-device step compiles "
+                        "in the background once they are back (default 120; 0: grow at the "
+                        "next save point, waiting for the compile there)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the loop's decisions")
+    a = p.parse_args(argv)
+    if not 4 <= a.fail_at < a.repair_at < a.steps - 3:
+        p.error("need 4 <= --fail-at < --repair-at < --steps - 3")
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.ERROR,
+                        format="%(asctime)s %(name)s: %(message)s")
+    own = a.dir is None
+    a.dir = os.path.abspath(a.dir or tempfile.mkdtemp(prefix="resilient_ckpt_elastic_"))
+    ram_root = RamTier().open(a.dir, False).root
+    try:
+        return run(a)
+    finally:
+        if own:
+            shutil.rmtree(a.dir, ignore_errors=True)
+            shutil.rmtree(ram_root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Moving one chunk into a tier: from the host snapshot or from another tier's
+committed copy, checked against its crc32c, encoded on the way, in bounded pieces.
+
+This is how the GCS tier uploads a step that a faster tier already holds
+without touching the devices again, and how any tier stores zstd chunks. A
+chunk up to the storage's `piece_bytes` is read (or mapped) whole, checked,
+encoded and put in one request. A larger one is streamed: the source is read
+piece by piece, its crc32c is accumulated on the way and compared before the
+last piece leaves (so a corrupt source never completes an upload), and zstd
+compresses the stream as one frame. Memory per chunk in flight is therefore
+a few pieces, whatever the chunk's size.
+
+A chunk is stored with zstd only where that saves at least `min_gain` of its
+bytes (judged on the whole chunk, or on a leading sample of a streamed one);
+otherwise raw. The checksum in the manifest stays over the uncompressed bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import io
+
+import google_crc32c
+import numpy as np
+
+from .errors import CorruptCheckpointError, StorageError
+from .manifest import ChunkRecord
+from .storage.base import Storage
+
+SAMPLE_BYTES = 1 << 20
+
+
+class SourceError(StorageError):
+    """Reading the copy a chunk is copied from failed (not writing it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a tier stores chunks: `codec` "raw" or "zstd" (at `level`), zstd only
+    where it saves at least `min_gain` of a chunk's bytes."""
+
+    codec: str = "raw"
+    level: int = 1
+    min_gain: float = 0.03
+
+    def __post_init__(self):
+        if self.codec not in ("raw", "zstd"):
+            raise ValueError(f"codec must be 'raw' or 'zstd', got {self.codec!r}")
+
+
+class Source:
+    """Where a chunk's raw bytes come from: `view()` (whole, no copy) when it
+    can, else `read_into`. `trusted`: bytes just copied from the devices (the
+    checksum is computed from them, so there is nothing to verify)."""
+
+    trusted = False
+    where = "?"
+
+    def view(self) -> memoryview | None:
+        return None
+
+    def read_into(self, out: memoryview, offset: int) -> None:
+        raise NotImplementedError
+
+
+class MemorySource(Source):
+    trusted = True
+
+    def __init__(self, data: np.ndarray, where: str = "host snapshot"):
+        self._data, self.where = data, where
+
+    def view(self) -> memoryview:
+        return memoryview(self._data).cast("B")
+
+
+class TierSource(Source):
+    """A committed copy in another tier (mapped without a copy on the RAM tier)."""
+
+    def __init__(self, storage: Storage, key: str, nbytes: int):
+        self.storage, self.key, self.nbytes = storage, key, nbytes
+        self.where = f"{storage.url}/{key}"
+
+    def view(self) -> memoryview | None:
+        try:
+            m = self.storage.map(self.key, self.nbytes)
+        except OSError as e:
+            raise SourceError(e.errno or errno.EIO,
+                              f"reading {self.where} to copy it failed: {e}") from e
+        return None if m is None else memoryview(m).cast("B")
+
+    def read_into(self, out: memoryview, offset: int) -> None:
+        try:
+            self.storage.read_into(self.key, out, offset)
+        except OSError as e:
+            raise SourceError(e.errno or errno.EIO,
+                              f"reading {self.where} to copy it failed: {e}") from e
+
+
+class _Raw(io.RawIOBase):
+    """A source's bytes in order, crc32c accumulated and checked at the end."""
+
+    def __init__(self, src: Source, c: ChunkRecord):
+        self._src, self._c = src, c
+        self._view = src.view()
+        self._pos, self._crc = 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self._c.nbytes - self._pos)
+        if n <= 0:
+            return 0
+        out = memoryview(b).cast("B")[:n]
+        if self._view is not None:
+            out[:] = self._view[self._pos:self._pos + n]
+        else:
+            self._src.read_into(out, self._pos)
+        self._crc = google_crc32c.extend(self._crc, np.frombuffer(out, np.uint8))
+        self._pos += n
+        if self._pos == self._c.nbytes and not self._src.trusted and self._crc != self._c.crc32c:
+            raise CorruptCheckpointError(f"crc32c mismatch in {self._src.where} while "
+                                         "copying it; that copy is corrupt")
+        return n
+
+
+class _Counted(io.RawIOBase):
+    """Passes reads through and counts them: the stored size of a zstd stream."""
+
+    def __init__(self, inner):
+        self._inner, self.count = inner, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._inner.read(n)
+        self.count += len(data)
+        return data
+
+
+def _compress(data, level: int) -> bytes:
+    import zstandard
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def _whole(src: Source, c: ChunkRecord) -> memoryview:
+    view = src.view()
+    if view is None:
+        buf = bytearray(c.nbytes)
+        src.read_into(memoryview(buf), 0)
+        view = memoryview(buf)
+    if not src.trusted and google_crc32c.value(np.frombuffer(view, np.uint8)) != c.crc32c:
+        raise CorruptCheckpointError(f"crc32c mismatch in {src.where} while copying it; "
+                                     "that copy is corrupt")
+    return view
+
+
+def _sample_gain(src: Source, c: ChunkRecord, enc: Encoding) -> float:
+    n = min(SAMPLE_BYTES, c.nbytes)
+    view = src.view()
+    if view is None:
+        buf = bytearray(n)
+        src.read_into(memoryview(buf), 0)
+        view = memoryview(buf)
+    return 1 - len(_compress(view[:n], enc.level)) / max(n, 1)
+
+
+def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
+          ) -> ChunkRecord:
+    """Puts chunk `c` (its bytes from `src`) as `key`; returns its record as
+    stored (codec, stored_nbytes). A source whose bytes fail `c.crc32c` raises
+    CorruptCheckpointError; nothing is then left under `key` by a streamed
+    upload (it is never finalized)."""
+    piece = storage.piece_bytes
+    if c.nbytes <= piece:
+        data = _whole(src, c)
+        if enc.codec == "zstd" and c.nbytes:
+            packed = _compress(data, enc.level)
+            if len(packed) <= c.nbytes * (1 - enc.min_gain):
+                storage.put(key, memoryview(packed))
+                return dataclasses.replace(c, codec="zstd", stored_nbytes=len(packed))
+        storage.put(key, data)
+        return dataclasses.replace(c, codec="raw", stored_nbytes=c.nbytes)
+    zstd = enc.codec == "zstd" and _sample_gain(src, c, enc) >= enc.min_gain
+    streams: list[_Counted] = []
+
+    def opener() -> io.RawIOBase:
+        raw = _Raw(src, c)
+        if zstd:
+            import zstandard
+            inner = zstandard.ZstdCompressor(level=enc.level).stream_reader(
+                raw, size=c.nbytes, read_size=piece)
+        else:
+            inner = raw
+        streams.append(_Counted(inner))
+        return streams[-1]
+
+    storage.put_stream(key, opener, None if zstd else c.nbytes)
+    stored = streams[-1].count if zstd else c.nbytes
+    return dataclasses.replace(c, codec="zstd" if zstd else "raw", stored_nbytes=stored)
+
+
+def store_first(storage: Storage, key: str, sources: list[Source], c: ChunkRecord,
+                enc: Encoding) -> tuple[ChunkRecord, int]:
+    """`store` from the first source whose copy reads and verifies; returns the
+    stored record and the index of the source used. A failure of the
+    destination is raised at once (another source would not help)."""
+    errors = []
+    for i, src in enumerate(sources):
+        try:
+            return store(storage, key, src, c, enc), i
+        except (SourceError, CorruptCheckpointError) as e:
+            errors.append(f"{src.where}: {e}")
+    raise CorruptCheckpointError(f"no intact copy of chunk {c.key} to copy from "
+                                 f"({'; '.join(errors) or 'no source'})")
