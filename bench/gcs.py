@@ -10,7 +10,8 @@ CPU devices, a (data=4, model=2) mesh, 16 leaves of varied shapes.
   i.e. until the manifest is committed on GCS;
 - resilient_ckpt, `save_gcs_from_ram`: RamTier + GcsTier (raw, the default),
   the usual setup: the RAM tier writes the step, then the upload reads the RAM
-  tier's copy; timed from `save` until the GCS commit;
+  tier's copy; timed from `save` until the GCS commit; `upload_gcs_from_ram`
+  is the upload alone (the GCS tier's write, after the RAM tier committed);
 - resilient_ckpt, `restore_gcs_zstd` / `restore_gcs_raw`: a fresh manager on
   the GCS tier alone (a new machine), `restore` onto the saved shardings;
 - orbax: `orbax.checkpoint.CheckpointManager` on gs:// (tensorstore through the
@@ -133,7 +134,7 @@ class Ours:
             m.wait_until_finished()
             dt = time.perf_counter() - t0
             tw = m.save_records[-1].tiers["gcs"]
-        return dt, tw.stored_bytes
+        return dt, tw.stored_bytes, tw.seconds
 
     def restore(self, url: str, state: dict, codec: str) -> float:
         import orbax.checkpoint as ocp
@@ -209,13 +210,14 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
         for r in range(repeats):
             run = uuid.uuid4().hex[:8]
             urls = {k: f"gs://{BUCKET}/{run}/{k}" for k in ("zstd", "raw", "ram", "orbax")}
-            dt, stored["zstd"] = ours.save(urls["zstd"], state, "zstd")
+            dt, stored["zstd"], _ = ours.save(urls["zstd"], state, "zstd")
             add("resilient_ckpt", "save_gcs_zstd", dt)
             add("orbax", "save_gcs", orbax.save(urls["orbax"], state))
-            dt, stored["raw"] = ours.save(urls["raw"], state, "raw")
+            dt, stored["raw"], _ = ours.save(urls["raw"], state, "raw")
             add("resilient_ckpt", "save_gcs_raw", dt)
-            add("resilient_ckpt", "save_gcs_from_ram", ours.save(urls["ram"], state, "raw",
-                                                                 ram=ram)[0])
+            dt, _, upload = ours.save(urls["ram"], state, "raw", ram=ram)
+            add("resilient_ckpt", "save_gcs_from_ram", dt)
+            add("resilient_ckpt", "upload_gcs_from_ram", upload)
             shutil.rmtree(ram, ignore_errors=True)
             trim()
             add("resilient_ckpt", "restore_gcs_zstd", ours.restore(urls["zstd"], state, "zstd"))
@@ -254,6 +256,8 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
         f"save_gcs_raw_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt", "save_gcs_raw")],
         f"save_gcs_from_ram_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt",
                                                                    "save_gcs_from_ram")],
+        f"upload_gcs_from_ram_speedup_vs_orbax_save_{key}": o_save / med[
+            ("resilient_ckpt", "upload_gcs_from_ram")],
         f"zstd_stored_fraction_{key}": stored["zstd"] / nbytes,
     }
 
@@ -265,9 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1GB", help="comma-separated state sizes (default 1GB)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--plot", help="ignored (no plot for this bench)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the medians (needs matplotlib)")
+    p.add_argument("--from-jsonl", metavar="FILE", help="only plot the lines of an earlier run")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if a.from_jsonl:
+        with open(a.from_jsonl) as f:
+            plot([json.loads(x) for x in f if x.strip().startswith("{")], a.plot or "gcs.png")
+        return 0
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(logging.WARNING)
     sizes = [128 * 10**6] if a.quick else [parse_size(s) for s in a.sizes.split(",")]
@@ -281,7 +290,43 @@ def main(argv: list[str] | None = None) -> int:
             for dt in a.dtypes.split(","):
                 summary.update(run_one(size, dt, repeats, server.endpoint, mesh))
     emit({"bench": BENCH, "summary": {k: round(v, 3) for k, v in summary.items()}})
+    if a.plot:
+        plot(PRINTED, a.plot)
     return 0
+
+
+def plot(lines: list[dict], out: str) -> None:
+    """Median seconds per case (whiskers: min-max), one panel per dtype and size."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
+    rows = [ln for ln in lines if ln.get("runs_s") and ln.get("system") != "limit"]
+    panels = list(dict.fromkeys((ln["dtype"], ln["bytes"]) for ln in rows))
+    colors = {"resilient_ckpt": "#1f77b4", "orbax": "#ff7f0e"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for ax, (dtype, nbytes) in zip(axes[0], panels):
+        here = [ln for ln in rows if (ln["dtype"], ln["bytes"]) == (dtype, nbytes)]
+        med = [ln["median_s"] for ln in here]
+        lo = [m - min(ln["runs_s"]) for m, ln in zip(med, here)]
+        hi = [max(ln["runs_s"]) - m for m, ln in zip(med, here)]
+        ax.barh(range(len(here)), med, xerr=[lo, hi], capsize=2,
+                color=[colors.get(ln["system"], "k") for ln in here])
+        ax.set_yticks(range(len(here)), [f"{ln['system']}: {ln['case']}" for ln in here],
+                      fontsize=8)
+        ax.invert_yaxis()
+        for i, (m, h) in enumerate(zip(med, hi)):
+            ax.text(m + h, i, f"  {m:.2f}s", va="center", fontsize=7)
+        ax.set_xlabel("seconds (median, whiskers: min-max)")
+        ax.set_title(f"{nbytes / 1e9:.2f} GB of {dtype}, through fake-gcs-server", fontsize=10)
+    fig.suptitle("bench/gcs.py: resilient_ckpt's GCS tier vs orbax (lower is better)",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

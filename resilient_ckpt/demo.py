@@ -294,7 +294,8 @@ def report(a, tr: dict, rs: dict, gc: dict | None = None) -> bool:
         nbytes = sum(gc["bytes_by_tier"].values())
         gcs_ok = gc["bit_identical"] is not False and set(gc["bytes_by_tier"]) == {"gcs"}
         rows += [("gcs tier, stored", f"{kept / 2**20:.1f} MiB for {raw / 2**20:.1f} MiB "
-                                      f"of state (zstd)" if raw else "-"),
+                                      f"of state, {len([r for r in saves if 'gcs' in r['tiers']])} "
+                                      "uploads" if raw else "-"),
                  ("restore from gcs alone", f"step {gc['step']}, {nbytes / 2**20:.1f} MiB in "
                                             f"{gc['restore_s'] * 1e3:.0f} ms, " +
                   {True: "bit-identical to the local copy", None: "(no local copy to compare)",

@@ -431,12 +431,13 @@ class Elastic:
         if self._programs is not None and not self._precompile_started:
             self._precompile_started = True
             self._programs.start(self._likely_meshes(self._precompile))
-        if self._grow_to is None and self._rescale_due():
+        just_checked = self._grow_to is None and self._rescale_due()
+        if just_checked:
             self._look_for_devices()
         if saved and self._grow_to is not None and (
                 self._programs is None or self._programs.done(self._grow_to)
                 or time.monotonic() - self._grow_since >= self._grow_wait_s):
-            self._scale_up(step, state)
+            self._scale_up(step, state, recheck=not just_checked)
         return saved
 
     def request_rescale(self) -> None:
@@ -575,13 +576,14 @@ class Elastic:
         if self._programs is not None:
             self._programs.start([mesh])  # compiles while training goes on
 
-    def _scale_up(self, step: int, state: Any) -> None:
-        """At a save point: re-checks the returning devices, then unwinds the
-        training function to go on from this step on the larger mesh."""
+    def _scale_up(self, step: int, state: Any, recheck: bool) -> None:
+        """At a save point: re-checks the returning devices (unless they were
+        checked on this very step), then unwinds the training function to go on
+        from this step on the larger mesh."""
         mesh, self._grow_to = self._grow_to, None
         t0 = time.perf_counter()
         new = [d for d in mesh.devices.flat if d not in set(self.mesh.devices.flat)]
-        if set(self._health(new, self.retry.health_timeout_s)) != set(new):
+        if recheck and set(self._health(new, self.retry.health_timeout_s)) != set(new):
             log.warning("elastic: devices %s failed their health check again; not growing",
                         sorted(d.id for d in new))
             return

@@ -630,10 +630,15 @@ class CheckpointManager:
         with self._lock:
             return bool(self._pending)
 
-    def _wait_step(self, step: int) -> None:
+    def _wait_step(self, step: int, for_restore: bool = False) -> None:
         with self._lock:
-            futures = list(self._pending.get(step, {}).values())
-        cf.wait(futures)
+            jobs = dict(self._pending.get(step, {}))
+        if for_restore:
+            # A restore reads the fastest copy: it need not wait for an upload
+            # to GCS (minutes, on the recovery path) when a faster tier has it.
+            fast = [f for n, f in jobs.items() if self._tier(n).storage.kind != "gcs"]
+            jobs = dict(enumerate(fast)) if fast else jobs
+        cf.wait(list(jobs.values()))
 
     # ------------------------------------------------------------ delete
 
@@ -672,10 +677,12 @@ class CheckpointManager:
             args = ocp.args.StandardRestore(items)
         requests, is_composite = args_lib.restore_requests(args)
         if step is not None:
-            self._wait_step(step)
+            self._wait_step(step, for_restore=True)
+            if step not in self._viable():  # no faster copy after all: the upload's
+                self._wait_step(step)
         else:
             for s in list(self._pending):
-                self._wait_step(s)
+                self._wait_step(s, for_restore=True)
         ours = self._viable()
         orbax_newest = max(self._orbax_steps, default=None)
         if step is None and orbax_newest is not None and orbax_newest > max(ours, default=-1):
@@ -723,7 +730,6 @@ class CheckpointManager:
 
     def _restore_choice(self, chosen: selection.Choice, requests: dict | None,
                         is_composite: bool, record: RestoreRecord) -> Any:
-        m = chosen.manifest
         storages = {t.name: t.storage for t in self._tiers}
         bar = None
         if self._options.progress:

@@ -341,10 +341,12 @@ def test_recovery_at_random_steps_continues_exactly(mesh, devices, check, ram_ev
             assert set(fail.restored_from) == {"ram"}  # RAM tier first
         # The state the loop went on from is the one saved at that step...
         assert_state(seen[restored][-1], want[restored], f"state restored at step {restored}")
+        step_fn, abstract, _ = build(mesh)
+        saved_state = host(mngr.restore(restored, args=ocp.args.StandardRestore(abstract)))
+        assert_state(seen[restored][-1], saved_state, f"state saved at step {restored}")
         # ...and training on reproduces an uninterrupted run, exactly.
         assert_state(final, want[total], "final state")
         # An uninterrupted run restored from that step (plain manager, full mesh) agrees.
-        step_fn, abstract, _ = build(mesh)
         state = mngr.restore(restored, args=ocp.args.StandardRestore(abstract))
         for _ in range(restored + 1, total + 1):
             state = step_fn(state)

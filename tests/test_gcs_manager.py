@@ -202,6 +202,21 @@ def test_source_step_is_kept_until_its_upload_ends(gcs, url, mesh, ram_path, tmp
         assert g.all_steps() == [2]
 
 
+def test_restore_does_not_wait_for_an_upload(gcs, url, mesh, ram_path, tmp_path):
+    with FaultProxy(gcs.endpoint, stall_s=2, match=lambda m, p: "/upload/" in p) as proxy:
+        proxy.queue(*["stall"] * 8)  # the upload's first requests hang for 2 s
+        opts = CheckpointManagerOptions(tiers=[
+            RamTier(path=ram_path), GcsTier(url, endpoint=proxy.endpoint, retry=FAST)])
+        with CheckpointManager(tmp_path, options=opts) as m:
+            state = make_state(mesh, 4)
+            m.save(4, args=ocp.args.StandardSave(state))
+            t0 = time.monotonic()
+            assert_equal(m.restore(4), state)  # from RAM, while GCS is still uploading
+            assert time.monotonic() - t0 < 1.5 and m.is_saving_in_progress()
+            assert_equal(m.restore(), state)
+            assert set(m.last_restore.bytes_by_tier) == {"ram"}
+
+
 def test_a_failed_upload_is_reported_and_training_goes_on(gcs, url, mesh, ram_path, tmp_path):
     short = RetryPolicy(deadline_s=1.0, attempt_timeout_s=1, initial_s=0.01, max_delay_s=0.1)
     with FaultProxy(gcs.endpoint, faults=["503"],
