@@ -26,7 +26,7 @@ from typing import Any, Callable, Container
 import jax
 from etils import epath
 
-from . import args as args_lib, commit, layout, legacy, retention, selection, snapshot
+from . import args as args_lib, commit, layout, legacy, metadata, retention, selection, snapshot
 from .errors import (CorruptCheckpointError, ItemNotFoundError, SaveFailedError,
                      StepAlreadyExistsError, StepNotFoundError, TargetMismatchError)
 from .pytree import build_nested, flatten, match_target, unflatten
@@ -369,8 +369,8 @@ class CheckpointManager:
             raise
         rec.bytes = snap.nbytes
         header = dict(created=time.time(), process_index=jax.process_index(),
-                      process_count=jax.process_count(), metrics=_jsonable(metrics),
-                      custom_metadata=_jsonable(custom_metadata))
+                      process_count=jax.process_count(), metrics=metadata.jsonable(metrics),
+                      custom_metadata=metadata.jsonable(custom_metadata))
         flight = _Flight(snap, need, rec, {t.name for t in tiers})
         with self._lock:
             self._local_info[step] = (header["created"], header["metrics"])
@@ -777,7 +777,7 @@ class CheckpointManager:
         where = f"step {step}, item {item.name!r}"
         if req.item is None:
             records = list(item.leaves)
-            targets = [target_for(None, _restore_arg_for(req.restore_args, lf.path))
+            targets = [target_for(None, metadata.restore_arg_for(req.restore_args, lf.path))
                        for lf in records]
             values = restore_leaves(records, targets, reader)
             return build_nested(list(zip(saved_paths, values)))
@@ -785,7 +785,7 @@ class CheckpointManager:
         idx = match_target(saved_paths, [p for p, _ in pairs], partial=req.partial,
                            where=where)
         records = [item.leaves[i] for i in idx]
-        targets = [target_for(leaf, _restore_arg_for(req.restore_args, p))
+        targets = [target_for(leaf, metadata.restore_arg_for(req.restore_args, p))
                    for p, leaf in pairs]
         return unflatten(treedef, restore_leaves(records, targets, reader))
 
@@ -804,7 +804,7 @@ class CheckpointManager:
         if c is None:
             raise StepNotFoundError(f"step {step} has no viable copy in {self._directory}")
         m = c.manifest
-        per_item = {it.name: _abstract(it) for it in m.items}
+        per_item = {it.name: metadata.abstract_item(it) for it in m.items}
         item_md = (per_item[args_lib.DEFAULT_ITEM] if list(per_item) == [args_lib.DEFAULT_ITEM]
                    else args_lib.composite(per_item))
         # Orbax's StepMetadata gives {} (not None) when there are none.
@@ -845,62 +845,3 @@ def _shared_save_id() -> str:
         raw = np.frombuffer(sid.bytes, dtype=np.uint8)
         sid = uuid.UUID(bytes=bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))))
     return sid.hex
-
-
-def _restore_arg_for(restore_args: Any, path) -> Any:
-    """The ArrayRestoreArgs for a leaf, from a tree of them (or one for all)."""
-    if restore_args is None:
-        return None
-    if hasattr(restore_args, "sharding"):
-        return restore_args
-    for p, leaf in flatten(restore_args)[0]:
-        if p == path:
-            return leaf
-    return None
-
-
-def _abstract(item) -> Any:
-    import jax.numpy as jnp
-    from .manifest import decode_scalar
-    from .sharding import rebuild
-    if item.kind == "json":
-        return item.value
-    pairs = []
-    for lf in item.leaves:
-        if lf.kind == "array":
-            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype), sharding=rebuild(lf.sharding))
-        elif lf.kind == "prng_key":
-            v = jax.ShapeDtypeStruct(lf.shape[:-1], jax.random.key(0, impl=lf.key_impl).dtype)
-        elif lf.kind in ("numpy", "numpy_scalar"):
-            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype))
-        elif lf.kind == "scalar":
-            v = decode_scalar(lf.value)
-        else:
-            v = None
-        pairs.append((lf.path, v))
-    return build_nested(pairs)
-
-
-def _jsonable(x: Any) -> Any:
-    """Metrics and metadata as plain JSON values (numpy and jax scalars become
-    Python numbers); raises TypeError naming what cannot be stored."""
-    import json
-    import numpy as np
-
-    def conv(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {str(k): conv(u) for k, u in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [conv(u) for u in v]
-        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
-            return np.asarray(v).tolist()
-        return v
-
-    if x is None:
-        return None
-    out = conv(x)
-    try:
-        json.dumps(out, allow_nan=True)
-    except TypeError as e:
-        raise TypeError(f"metrics/custom_metadata must be JSON-serializable: {e}") from None
-    return out

@@ -15,7 +15,6 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import threading
-import mmap
 import time
 from typing import Any, Mapping
 

@@ -1,0 +1,73 @@
+"""What a step tells callers about itself, and what they hand in beside it.
+
+Abstract item trees for `item_metadata` (ShapeDtypeStructs with the saved
+shardings), the per-leaf `ArrayRestoreArgs` of a restore, and metrics and
+custom metadata made plain JSON before they go into a manifest.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .manifest import ItemRecord, decode_scalar
+from .pytree import build_nested, flatten
+from .sharding import rebuild
+
+
+def restore_arg_for(restore_args: Any, path) -> Any:
+    """The ArrayRestoreArgs for a leaf, from a tree of them (or one for all)."""
+    if restore_args is None:
+        return None
+    if hasattr(restore_args, "sharding"):
+        return restore_args
+    for p, leaf in flatten(restore_args)[0]:
+        if p == path:
+            return leaf
+    return None
+
+
+def abstract_item(item: ItemRecord) -> Any:
+    """The item as saved, abstractly: ShapeDtypeStructs (with the saved
+    sharding where its devices exist), scalar values, JSON values."""
+    if item.kind == "json":
+        return item.value
+    pairs = []
+    for lf in item.leaves:
+        if lf.kind == "array":
+            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype), sharding=rebuild(lf.sharding))
+        elif lf.kind == "prng_key":
+            v = jax.ShapeDtypeStruct(lf.shape[:-1], jax.random.key(0, impl=lf.key_impl).dtype)
+        elif lf.kind in ("numpy", "numpy_scalar"):
+            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype))
+        elif lf.kind == "scalar":
+            v = decode_scalar(lf.value)
+        else:
+            v = None
+        pairs.append((lf.path, v))
+    return build_nested(pairs)
+
+
+def jsonable(x: Any) -> Any:
+    """Metrics and metadata as plain JSON values (numpy and jax scalars become
+    Python numbers); raises TypeError naming what cannot be stored."""
+    def conv(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): conv(u) for k, u in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [conv(u) for u in v]
+        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+            return np.asarray(v).tolist()
+        return v
+
+    if x is None:
+        return None
+    out = conv(x)
+    try:
+        json.dumps(out, allow_nan=True)
+    except TypeError as e:
+        raise TypeError(f"metrics/custom_metadata must be JSON-serializable: {e}") from None
+    return out
