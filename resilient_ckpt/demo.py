@@ -73,8 +73,7 @@ def hidden_width(mb: float) -> int:
 def build(mb: float):
     """(mesh, state shardings, init fn, jitted train step) for a state of ~mb MiB."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh
 
     devices = jax.devices("cpu")
     if len(devices) < 8:
@@ -82,6 +81,18 @@ def build(mb: float):
                  f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
     import numpy as np
     mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    shardings, init_fn, train_step = model_on(mesh, mb, BATCH)
+    return mesh, shardings, init_fn, train_step
+
+
+def model_on(mesh, mb: float, batch_size: int):
+    """(state shardings, jitted init, jitted train step) of the demo's MLP with
+    hand-written Adam on `mesh`, for a state of ~mb MiB; the elastic demo uses
+    it too. The step donates the state."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
     h = hidden_width(mb)
     shapes = {"w1": (D, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, D), "b3": (D,)}
     specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None),
@@ -100,7 +111,7 @@ def build(mb: float):
     def batch(count):
         """The batch of step count+1: a function of the step, so a replay matches."""
         kx = jax.random.fold_in(jax.random.key(1), count)
-        x = jax.random.normal(kx, (BATCH, D))
+        x = jax.random.normal(kx, (batch_size, D))
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None)))
         teacher = jax.random.normal(jax.random.key(2), (D, D)) / D ** 0.5
         return x, jnp.tanh(x @ teacher)
@@ -125,7 +136,7 @@ def build(mb: float):
     init_fn = jax.jit(init, out_shardings=shardings)
     train_step = jax.jit(step, donate_argnums=0,
                          out_shardings=(shardings, NamedSharding(mesh, P())))
-    return mesh, shardings, init_fn, train_step
+    return shardings, init_fn, train_step
 
 
 # ------------------------------------------------------------------ the children

@@ -29,69 +29,26 @@ import sys
 import tempfile
 import time
 
+from .demo import model_on
 from .elastic import Elastic, format_timeline
 from .manager import CheckpointManager, CheckpointManagerOptions
 from .testing.faults import DeviceFault, FaultInjector
 from .tiers import LocalTier, RamTier
 
-D = 256      # input and output width of the MLP
 BATCH = 64   # global batch; divides every data-axis size the mesh can shrink to
-LR = 1e-3
-
-
-def hidden_width(mb: float) -> int:
-    """Hidden width giving a state (params + two Adam moments, f32) of ~mb MiB."""
-    n = mb * 2**20 / 12
-    return max(16, int(-D + (D * D + n) ** 0.5) // 16 * 16)
 
 
 def build(mesh, mb: float):
     """(compiled step(state) -> (state, loss), abstract state on `mesh`, init)
-    for a state of ~mb MiB. The step is compiled here, ahead of time, so that
-    `Elastic` can build it for a likely mesh before it is needed. The batch of
-    each step is a function of the step count, so a replayed step sees the same
-    data."""
+    for a state of ~mb MiB: the crash demo's model (`demo.model_on`). The step
+    is compiled here, ahead of time, so that `Elastic` can build it for a
+    likely mesh before it is needed. The batch of each step is a function of
+    the step count, so a replayed step sees the same data."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    h = hidden_width(mb)
-    shapes = {"w1": (D, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, D), "b3": (D,)}
-    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None),
-             "b2": P(), "w3": P(None, "model"), "b3": P("model")}
-    ns = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-    shardings = {"params": ns, "m": ns, "v": ns, "count": NamedSharding(mesh, P())}
-
-    def init():
-        keys = dict(zip(shapes, jax.random.split(jax.random.key(0), len(shapes))))
-        params = {k: (jax.random.normal(keys[k], s) / s[0] ** 0.5 if len(s) == 2
-                      else jnp.zeros(s)) for k, s in shapes.items()}
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return {"params": params, "m": zeros, "v": zeros, "count": jnp.zeros((), jnp.int32)}
-
-    def loss_fn(p, x, y):
-        z = jax.nn.gelu(x @ p["w1"] + p["b1"])
-        z = jax.nn.gelu(z @ p["w2"] + p["b2"])
-        return jnp.mean((z @ p["w3"] + p["b3"] - y) ** 2)
-
-    def step(state):
-        x = jax.random.normal(jax.random.fold_in(jax.random.key(1), state["count"]), (BATCH, D))
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None)))
-        y = jnp.tanh(x @ (jax.random.normal(jax.random.key(2), (D, D)) / D ** 0.5))
-        loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
-        t = state["count"] + 1
-        m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, state["m"], g)
-        v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, state["v"], g)
-        c1, c2 = 1 - 0.9 ** t, 1 - 0.999 ** t
-        params = jax.tree.map(lambda p, m, v: p - LR * (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
-                              state["params"], m, v)
-        return {"params": params, "m": m, "v": v, "count": t}, loss
-
-    init_fn = jax.jit(init, out_shardings=shardings)
+    shardings, init_fn, step_fn = model_on(mesh, mb, BATCH)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            jax.eval_shape(init), shardings)
-    step_fn = jax.jit(step, donate_argnums=0,
-                      out_shardings=(shardings, NamedSharding(mesh, P())))
+                            jax.eval_shape(init_fn), shardings)
     return step_fn.lower(abstract).compile(), abstract, init_fn
 
 
