@@ -100,6 +100,7 @@ def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], job
     """Runs the chunk jobs on `io`, then commits the manifest create-only."""
     t0 = time.perf_counter()
     storage.begin_write(d)
+    committing = False
     try:
         futures = [io.submit(fn, arg) for fn, arg in jobs]
         stored, errors = {}, []
@@ -114,12 +115,22 @@ def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], job
         storage.flush(d)
         m = manifest(stored)
         name = layout.manifest_name(m.process_index, m.process_count)
+        committing = True
         if not storage.put_if_absent(f"{d}/{name}", mf.to_json(m)):
+            committing = False
             raise StepAlreadyExistsError(
                 f"step {step} was committed to the {tier} tier ({storage.url}/{d}) "
                 "by another writer first; this save of it was dropped")
     except BaseException:
-        _remove(storage, d, keys)
+        if committing:
+            # The commit itself failed, so whether our manifest landed is
+            # unknown: removing the chunks could tear a committed step. They
+            # stay; without a manifest, cleanup or orphan collection removes them.
+            log.warning("commit of step %d to the %s tier (%s/%s) failed with its "
+                        "outcome unknown; its chunks are left in place", step, tier,
+                        storage.url, d)
+        else:
+            _remove(storage, d, keys)
         storage.end_write(d)
         raise
     storage.end_write(d)

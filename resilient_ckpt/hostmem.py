@@ -10,6 +10,7 @@ chunks (a smaller data axis after a failure) becomes one array without copying.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import weakref
 
@@ -36,8 +37,9 @@ def host_mmap(nbytes: int) -> mmap.mmap:
     if nbytes >= 1 << 20:
         try:
             m.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
-            pass
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; pages fault in on use
+                raise
     return m
 
 

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier,
+                            SaveFailedError,
                             StepNotFoundError, TargetMismatchError, commit)
 
 
@@ -256,3 +257,27 @@ def test_moving_an_orbax_loop_over_keeps_and_restores_its_steps(tmp_path):
     assert np.array_equal(m.restore(5, args=ocp.args.StandardRestore(target))["x"],
                           np.arange(4.0))
     m.close()
+
+
+def test_a_commit_with_unknown_outcome_never_tears_the_step(tmp_path, mesh, monkeypatch):
+    """The manifest lands but its commit call then fails (a lost reply, here made
+    by wrapping the real commit: such a fault cannot be caused on demand): the
+    chunks must stay, so the step that did commit restores bit-exact."""
+    from resilient_ckpt.storage import FileStorage
+    real = FileStorage.put_if_absent
+
+    def landed_then_failed(self, key, data):
+        real(self, key, data)
+        raise OSError(5, "reply lost")
+
+    monkeypatch.setattr(FileStorage, "put_if_absent", landed_then_failed)
+    state = make_state(mesh, 4)
+    m = CheckpointManager(tmp_path)
+    m.save(4, args=ocp.args.StandardSave(state))
+    with pytest.raises(SaveFailedError):
+        m.wait_until_finished()
+    m.close()
+    monkeypatch.undo()
+    with CheckpointManager(tmp_path) as m2:
+        assert m2.latest_step() == 4
+        assert_same(m2.restore(4, args=ocp.args.StandardRestore(abstract(state))), state)

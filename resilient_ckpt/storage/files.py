@@ -165,8 +165,10 @@ class FileStorage(Storage):
         try:
             os.rmdir(self._path(prefix))
             return True
-        except OSError:
-            return False
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                return False  # gone already, or a save started writing in it
+            raise self._err("removal of", prefix, e) from e
 
     def begin_write(self, prefix: str) -> None:
         marker = os.path.join(self._path(prefix), self._writer.marker_name())

@@ -307,8 +307,12 @@ class GcsStorage(Storage):
             return True
         try:
             return self.read(key) == data  # our own earlier attempt landed
-        except StorageError:
-            return False
+        except StorageError as e:
+            # The object exists (the precondition said so) but cannot be read
+            # back: who committed is unknown, which the caller must not take
+            # for a lost race (it would remove chunks a commit may need).
+            raise StorageError(e.errno, f"commit of {self.url}/{key}: the object exists "
+                               f"but could not be read back to tell whose it is: {e}") from e
 
     # ------------------------------------------------------------ reads
 
