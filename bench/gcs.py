@@ -30,7 +30,6 @@ faster). Goals: restore >= 2, save >= 1.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -53,40 +52,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
+from _common import PRINTED, emit, parse_size, size_label, trim  # noqa: E402
 
 log = logging.getLogger("bench.gcs")
 BENCH = "gcs"
 BUCKET = "bench-gcs"
-PRINTED: list[dict] = []
-
-
-def emit(obj: dict) -> None:
-    PRINTED.append(obj)
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if s.endswith(unit):
-            return int(float(s[:-len(unit)]) * mult)
-    return int(s)
-
-
-def label(n: int) -> str:
-    return f"{n / 1e9:g}gb" if n >= 10**9 else f"{round(n / 1e6)}mb"
-
-
-def trim() -> None:
-    gc.collect()
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
 def build_state(total: int, dtype, mesh: Mesh) -> dict:
     """16 leaves of about total/16 bytes each, shapes varied, sharded over (data, model)."""
     item = np.dtype(dtype).itemsize
@@ -204,7 +174,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
 
     def add(system: str, case: str, seconds: float) -> None:
         runs.setdefault((system, case), []).append(seconds)
-        log.info("%s %s %s %s: %.2f s (%.0f MB/s)", label(size), dtype_name, system, case,
+        log.info("%s %s %s %s: %.2f s (%.0f MB/s)", size_label(size), dtype_name, system, case,
                  seconds, nbytes / seconds / 1e6)
     try:
         for r in range(repeats):
@@ -244,7 +214,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
           **{k: round(statistics.median(x[k] for x in lims), 3) for k in lims[0]},
           "runs": lims})
     med = {k: statistics.median(v) for k, v in runs.items()}
-    key = f"{label(size)}_{dtype_name}"
+    key = f"{size_label(size)}_{dtype_name}"
     o_save, o_rest = med[("orbax", "save_gcs")], med[("orbax", "restore_gcs")]
     return {
         f"restore_gcs_zstd_speedup_vs_orbax_{key}": o_rest / med[("resilient_ckpt",

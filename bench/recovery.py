@@ -53,6 +53,8 @@ import sys
 import tempfile
 import time
 
+from _common import PRINTED, emit, parse_size, size_label  # noqa: E402
+
 BENCH = "recovery"
 D = 256          # embedding width
 BATCH = 1024     # rows looked up per step
@@ -65,29 +67,6 @@ log = logging.getLogger("bench.recovery")
 
 
 # ---------------------------------------------------------------- helpers
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            return int(float(s[:-len(unit)]) * mult)
-    return int(s)
-
-
-def size_label(n: int) -> str:
-    if n >= 10**9:
-        return f"{n / 10**9:g}gb".replace(".", "p")
-    return f"{round(n / 10**6)}mb"
-
-
-PRINTED: list[dict] = []  # every line printed so far, for --plot
-
-
-def emit(obj: dict) -> None:
-    PRINTED.append(obj)
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None

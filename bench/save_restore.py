@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import gc
 import json
 import logging
 import mmap
@@ -47,6 +46,7 @@ import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from _common import PRINTED, emit, parse_size, size_label, trim  # noqa: E402
 
 log = logging.getLogger("bench.save_restore")
 BENCH = "save_restore"
@@ -60,31 +60,6 @@ GOALS = {  # summary key prefix -> (comparison, goal), from the issue
 
 # ---------------------------------------------------------------- helpers
 
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            return int(float(s[:-len(unit)]) * mult)
-    return int(s)
-
-
-def size_label(n: int) -> str:
-    if n >= 10**9 and n % 10**9 == 0:
-        return f"{n // 10**9}gb"
-    if n >= 10**9:
-        return f"{n / 10**9:g}gb".replace(".", "p")
-    return f"{round(n / 10**6)}mb"
-
-
-PRINTED: list[dict] = []  # every line printed so far, for --plot
-
-
-def emit(obj: dict) -> None:
-    PRINTED.append(obj)
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -97,16 +72,6 @@ def timed(fn, *a, **kw) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(*a, **kw)
     return time.perf_counter() - t0, out
-
-
-def trim() -> None:
-    """Garbage-collects and gives glibc's freed heap back (see ENVIRONMENT.md)."""
-    gc.collect()
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def drop_caches(paths: list[str]) -> str:

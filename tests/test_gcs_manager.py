@@ -4,8 +4,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -15,22 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, GcsTier, LocalTier,
                             RamTier, RetryPolicy, SaveFailedError, StepAlreadyExistsError,
                             commit, layout)
 from resilient_ckpt.storage.gcs import GcsStorage
-from resilient_ckpt.testing.fake_gcs import FakeGcs
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 
 FAST = RetryPolicy(deadline_s=20, attempt_timeout_s=5, initial_s=0.01, max_delay_s=0.05)
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    with FakeGcs() as g:
-        yield g
 
 
 @pytest.fixture
@@ -38,18 +29,6 @@ def url(gcs):
     name = "t-" + uuid.uuid4().hex[:12]
     gcs.create_bucket(name)
     return f"gs://{name}/run"
-
-
-@pytest.fixture
-def ram_path():
-    p = tempfile.mkdtemp(dir="/dev/shm")
-    yield p
-    shutil.rmtree(p, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
 
 
 def make_state(mesh, seed):

@@ -9,16 +9,9 @@ import pytest
 
 from resilient_ckpt import RetryPolicy, StorageError, commit, layout
 from resilient_ckpt.storage.gcs import READ_SPLIT, GcsStorage, parse_url
-from resilient_ckpt.testing.fake_gcs import FakeGcs
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 
 FAST = RetryPolicy(deadline_s=20, attempt_timeout_s=5, initial_s=0.01, max_delay_s=0.05)
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    with FakeGcs() as g:
-        yield g
 
 
 @pytest.fixture

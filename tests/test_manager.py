@@ -4,7 +4,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import shutil
-import tempfile
 import threading
 import time
 
@@ -18,18 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier,
                             SaveFailedError,
                             StepNotFoundError, TargetMismatchError, commit)
-
-
-@pytest.fixture
-def ram_path():
-    p = tempfile.mkdtemp(dir="/dev/shm")
-    yield p
-    shutil.rmtree(p, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
 
 
 def make_state(mesh, seed=0):

@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions,
                             CorruptCheckpointError, LocalTier, RamTier, StepNotFoundError)
@@ -32,11 +32,6 @@ def state_for(step, mesh):
     w = rng.standard_normal((16, 8)).astype(np.float32)
     return {"w": jax.device_put(w, NamedSharding(mesh, P("data", "model"))),
             "b": jnp.full((8,), step, jnp.int32), "step": step}
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
 
 
 def chunk_files(mngr, step):

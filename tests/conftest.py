@@ -1,0 +1,34 @@
+"""Fixtures several test modules share: the 8-device mesh, a RAM-tier
+directory under /dev/shm, and a fake-gcs-server on 127.0.0.1."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """8 CPU devices as (data=4, model=2)."""
+    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+
+
+@pytest.fixture
+def ram_path():
+    p = tempfile.mkdtemp(dir="/dev/shm")
+    yield p
+    shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """The bundled fake-gcs-server, started for a module and stopped after it."""
+    from resilient_ckpt.testing.fake_gcs import FakeGcs
+    with FakeGcs() as g:
+        yield g
