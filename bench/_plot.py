@@ -2,14 +2,20 @@
 
     python bench/_plot.py results.jsonl docs/benchmarks_save_restore.png
 
-reads the JSON lines a bench script printed and draws, per size, the median
-seconds of every save case and every restore case, coloured by system.
-Needs matplotlib (not a dependency of the project: `pip install matplotlib`).
+reads the JSON lines a bench script printed (save_restore, gcs or recovery)
+and draws them; the scripts' --plot calls `plot` on the lines they print.
+save_restore: per size, the median seconds of every save case and every
+restore case, coloured by system; gcs: the median seconds of every case, per
+dtype and size; recovery: per size, each case's median recovery time split
+into its phases. Needs matplotlib (not a dependency of the package: it comes
+with the [bench] extra, `pip install -e '.[bench]'`); without it `plot` warns
+and draws nothing.
 """
 from __future__ import annotations
 
-import json
 import sys
+
+from _common import read_jsonl
 
 COLORS = {"limit": "#888888", "resilient_ckpt": "#1f77b4", "orbax": "#ff7f0e"}
 SAVE = [("limit", "host_copy"), ("limit", "host_copy_pretouched"),
@@ -22,13 +28,36 @@ RESTORE = [("limit", "read_warm"), ("resilient_ckpt", "restore_ram"),
            ("limit", "read_cold"), ("limit", "read_cold_4threads"),
            ("limit", "read_cold_fresh_memory"),
            ("resilient_ckpt", "restore_local_cold"), ("orbax", "restore_local_cold")]
+RECOVERY_CASES = ("loop", "loop_jit", "relaunch", "relaunch_compile_cache")
+PHASE_COLORS = {"spawn_s": "#ff7f0e", "detect_s": "#999999", "health_s": "#8c564b",
+                "rebuild_s": "#bcbd22", "restore_s": "#1f77b4", "resume_s": "#2ca02c",
+                "import_s": "#d62728", "mesh_s": "#999999", "first_step_s": "#2ca02c"}
 
 
-def plot_save_restore(lines: list[dict], summary: dict | None, out: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _medians(ax, rows: list[dict], labels: list[str]) -> None:
+    """One bar per line: its median seconds, whiskers from its fastest to its
+    slowest run, the median written beside it."""
+    med = [ln["median_s"] for ln in rows]
+    lo = [m - min(ln["runs_s"]) for m, ln in zip(med, rows)]
+    hi = [max(ln["runs_s"]) - m for m, ln in zip(med, rows)]
+    ax.barh(range(len(rows)), med, xerr=[lo, hi], capsize=2,
+            color=[COLORS.get(ln["system"], "k") for ln in rows])
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    for i, (m, h) in enumerate(zip(med, hi)):
+        ax.text(m + h, i, f"  {m:.2f}s", va="center", fontsize=7)
+    ax.set_xlabel("seconds (median, whiskers: min-max)")
 
+
+def _save(plt, fig, out: str, title: str | None = None) -> None:
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_save_restore(plt, lines: list[dict], out: str) -> None:
     rows = [ln for ln in lines if "case" in ln]
     sizes = list(dict.fromkeys(ln["size"] for ln in rows))
     fig, axes = plt.subplots(len(sizes), 2, figsize=(13, 3.6 * len(sizes)), squeeze=False)
@@ -38,36 +67,76 @@ def plot_save_restore(lines: list[dict], summary: dict | None, out: str) -> None
         for c, (title, cases) in enumerate((("save", SAVE), ("restore", RESTORE))):
             ax = axes[r][c]
             present = [k for k in cases if k in by]
-            labels = [f"{s}: {case}" for s, case in present]
-            med = [by[k]["median_s"] for k in present]
-            lo = [m - min(by[k]["runs_s"]) for m, k in zip(med, present)]
-            hi = [max(by[k]["runs_s"]) - m for m, k in zip(med, present)]
-            ax.barh(range(len(present)), med, xerr=[lo, hi],
-                    color=[COLORS.get(s, "k") for s, _ in present], capsize=2)
-            ax.set_yticks(range(len(present)), labels, fontsize=8)
-            ax.invert_yaxis()
-            for i, (m, h) in enumerate(zip(med, hi)):
-                ax.text(m + h, i, f"  {m:.2f}s", va="center", fontsize=7)
-            ax.set_xlim(0, max(m + h for m, h in zip(med, hi)) * 1.15 if med else 1)
-            ax.set_xlabel("seconds (median, whiskers: min-max)")
+            _medians(ax, [by[k] for k in present], [f"{s}: {case}" for s, case in present])
+            ax.set_xlim(0, max(max(by[k]["runs_s"]) for k in present) * 1.15
+                        if present else 1)
             ax.set_title(f"{title}, {nbytes / 1e9:.2f} GB state, 8 CPU devices", fontsize=10)
-    fig.suptitle("bench/save_restore.py: resilient_ckpt vs orbax vs the machine's limits "
-                 "(lower is better)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, out, "bench/save_restore.py: resilient_ckpt vs orbax vs the machine's "
+          "limits (lower is better)")
+
+
+def plot_gcs(plt, lines: list[dict], out: str) -> None:
+    rows = [ln for ln in lines if ln.get("runs_s") and ln.get("system") != "limit"]
+    panels = list(dict.fromkeys((ln["dtype"], ln["bytes"]) for ln in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for ax, (dtype, nbytes) in zip(axes[0], panels):
+        here = [ln for ln in rows if (ln["dtype"], ln["bytes"]) == (dtype, nbytes)]
+        _medians(ax, here, [f"{ln['system']}: {ln['case']}" for ln in here])
+        ax.set_title(f"{nbytes / 1e9:.2f} GB of {dtype}, through fake-gcs-server", fontsize=10)
+    _save(plt, fig, out, "bench/gcs.py: resilient_ckpt's GCS tier vs orbax (lower is better)")
+
+
+def plot_recovery(plt, lines: list[dict], out: str) -> None:
+    rows = [ln for ln in lines if ln.get("case") in RECOVERY_CASES]
+    sizes = list(dict.fromkeys(ln["size"] for ln in rows))
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(11, 2.8 * len(sizes)), squeeze=False)
+    for ax, size in zip(axes[:, 0], sizes):
+        cases = [ln for ln in rows if ln["size"] == size]
+        for y, ln in enumerate(cases):
+            left = 0.0
+            for k, v in ln["phases_median_s"].items():
+                ax.barh(y, v or 0.0, left=left, color=PHASE_COLORS.get(k, "#cccccc"),
+                        label=k[:-2] if y == 0 or ln["system"] == "orbax" else None)
+                left += v or 0.0
+            ax.text(ln["median_s"], y, f" {ln['median_s']:.2f} s (median total)", va="center")
+        ax.set_yticks(range(len(cases)), [f"{ln['system']}\n{ln['case']}" for ln in cases])
+        ax.set_xlabel("seconds from the failure to the next completed step")
+        ax.set_title(f"recovery, {size} state, 8 -> 4 CPU devices (phases: medians)")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize=8)
+        ax.set_xlim(0, max(ln["median_s"] for ln in cases) * 1.35)
+    _save(plt, fig, out)
+
+
+PLOTS = {"save_restore": plot_save_restore, "gcs": plot_gcs, "recovery": plot_recovery}
+
+
+def plot(lines: list[dict], out: str) -> bool:
+    """Draws the lines of one bench into the PNG `out`; False, with a warning
+    on stderr, where there is no plot for that bench or no matplotlib."""
+    bench = next((ln["bench"] for ln in lines if "bench" in ln), None)
+    draw = PLOTS.get(bench)
+    if draw is None:
+        sys.stderr.write(f"no plot: none is drawn for bench {bench!r}\n")
+        return False
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("no plot: matplotlib is not installed (pip install -e '.[bench]')\n")
+        return False
+    draw(plt, lines, out)
+    return True
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    with open(argv[0]) as f:
-        lines = [json.loads(x) for x in f if x.strip().startswith("{")]
-    summary = next((ln for ln in reversed(lines) if "summary" in ln), None)
-    if lines and lines[0].get("bench") == "save_restore":
-        plot_save_restore(lines, summary, argv[1])
-    return 0
+    return 0 if plot(read_jsonl(argv[0]), argv[1]) else 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ CPU devices, a (data=4, model=2) mesh, 16 leaves of varied shapes.
 - limit: zstd level 1 compression and decompression of the state's bytes on
   one thread (ratio and GB/s), the codec's own cost.
 
-Output (../shared/BENCH.md): one JSON line per (system, case, dtype, size),
+Output (docs/bench_contract.md): one JSON line per (system, case, dtype, size),
 then a summary line: `*_speedup_vs_orbax` = Orbax's time / ours (> 1: we are
 faster). Goals: restore >= 2, save >= 1.
 
@@ -29,8 +29,6 @@ faster). Goals: restore >= 2, save >= 1.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import shutil
@@ -40,23 +38,24 @@ import tempfile
 import time
 import uuid
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import (abstract_of, bench_parser, emit, emit_summary, make_mesh,
+                     parse_options, prepare, read_jsonl, same_values, size_label, trim)
+
+prepare(devices=8)
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from _plot import plot  # noqa: E402
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
-from _common import PRINTED, emit, parse_size, size_label, trim  # noqa: E402
 
 log = logging.getLogger("bench.gcs")
 BENCH = "gcs"
 BUCKET = "bench-gcs"
+
+
 def build_state(total: int, dtype, mesh: Mesh) -> dict:
     """16 leaves of about total/16 bytes each, shapes varied, sharded over (data, model)."""
     item = np.dtype(dtype).itemsize
@@ -77,13 +76,26 @@ def build_state(total: int, dtype, mesh: Mesh) -> dict:
     return out
 
 
-def same(a: dict, b: dict) -> bool:
-    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+def timed_save(manager, state: dict) -> float:
+    """Seconds of `save` + `wait_until_finished` of step 1."""
+    import orbax.checkpoint as ocp
+    t0 = time.perf_counter()
+    manager.save(1, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    return time.perf_counter() - t0
 
 
-def abstract_of(state: dict) -> dict:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                        state)
+def timed_restore(open_manager, state: dict, who: str) -> float:
+    """Seconds from opening a fresh manager to step 1 restored onto the
+    state's shardings; the values are then checked against `state`."""
+    import orbax.checkpoint as ocp
+    t0 = time.perf_counter()
+    with open_manager() as m:
+        out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
+        jax.block_until_ready(out)
+        dt = time.perf_counter() - t0
+    assert same_values(out, state), f"{who} restored different values"
+    return dt
 
 
 class Ours:
@@ -95,48 +107,29 @@ class Ours:
         return GcsTier(url, endpoint=self.endpoint, codec=codec)
 
     def save(self, url: str, state: dict, codec: str, ram: str | None = None) -> tuple:
-        import orbax.checkpoint as ocp
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
         tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
         with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
-            t0 = time.perf_counter()
-            m.save(1, args=ocp.args.StandardSave(state))
-            m.wait_until_finished()
-            dt = time.perf_counter() - t0
+            dt = timed_save(m, state)
             tw = m.save_records[-1].tiers["gcs"]
         return dt, tw.stored_bytes, tw.seconds
 
     def restore(self, url: str, state: dict, codec: str) -> float:
-        import orbax.checkpoint as ocp
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
         opts = CheckpointManagerOptions(tiers=[self.tier(url, codec)], read_only=True)
-        t0 = time.perf_counter()
-        with CheckpointManager(url, options=opts) as m:
-            out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
-            jax.block_until_ready(out)
-            dt = time.perf_counter() - t0
-        assert same(out, state), "resilient_ckpt restored different values"
-        return dt
+        return timed_restore(lambda: CheckpointManager(url, options=opts), state,
+                             "resilient_ckpt")
 
 
 class Orbax:
     def save(self, url: str, state: dict) -> float:
         import orbax.checkpoint as ocp
         with ocp.CheckpointManager(url) as m:
-            t0 = time.perf_counter()
-            m.save(1, args=ocp.args.StandardSave(state))
-            m.wait_until_finished()
-            return time.perf_counter() - t0
+            return timed_save(m, state)
 
     def restore(self, url: str, state: dict) -> float:
         import orbax.checkpoint as ocp
-        t0 = time.perf_counter()
-        with ocp.CheckpointManager(url) as m:
-            out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
-            jax.block_until_ready(out)
-            dt = time.perf_counter() - t0
-        assert same(out, state), "orbax restored different values"
-        return dt
+        return timed_restore(lambda: ocp.CheckpointManager(url), state, "orbax")
 
 
 def remove(endpoint: str, url: str) -> None:
@@ -233,70 +226,26 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="128 MB, 2 repeats")
-    p.add_argument("--sizes", default="1GB", help="comma-separated state sizes (default 1GB)")
+    p = bench_parser(__doc__, sizes="1GB", quick_sizes="128MB", plots=True)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--plot", metavar="PNG", help="also draw the medians (needs matplotlib)")
     p.add_argument("--from-jsonl", metavar="FILE", help="only plot the lines of an earlier run")
-    a = p.parse_args(argv)
+    a = parse_options(p, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if a.from_jsonl:
-        with open(a.from_jsonl) as f:
-            plot([json.loads(x) for x in f if x.strip().startswith("{")], a.plot or "gcs.png")
+        plot(read_jsonl(a.from_jsonl), a.plot or "gcs.png")
         return 0
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    sizes = [128 * 10**6] if a.quick else [parse_size(s) for s in a.sizes.split(",")]
-    repeats = 2 if a.quick else a.repeats
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    mesh = make_mesh(4, 2)
     summary = {}
     with FakeGcs() as server:
         os.environ.update(server.env())  # Orbax (tensorstore) reads these at first use
         server.create_bucket(BUCKET)
-        for size in sizes:
+        for size in a.sizes:
             for dt in a.dtypes.split(","):
-                summary.update(run_one(size, dt, repeats, server.endpoint, mesh))
-    emit({"bench": BENCH, "summary": {k: round(v, 3) for k, v in summary.items()}})
-    if a.plot:
-        plot(PRINTED, a.plot)
+                summary.update(run_one(size, dt, a.repeats, server.endpoint, mesh))
+    emit_summary(BENCH, {k: round(v, 3) for k, v in summary.items()}, plot=a.plot)
     return 0
-
-
-def plot(lines: list[dict], out: str) -> None:
-    """Median seconds per case (whiskers: min-max), one panel per dtype and size."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("no plot: matplotlib is not installed (pip install matplotlib)")
-        return
-    rows = [ln for ln in lines if ln.get("runs_s") and ln.get("system") != "limit"]
-    panels = list(dict.fromkeys((ln["dtype"], ln["bytes"]) for ln in rows))
-    colors = {"resilient_ckpt": "#1f77b4", "orbax": "#ff7f0e"}
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
-    for ax, (dtype, nbytes) in zip(axes[0], panels):
-        here = [ln for ln in rows if (ln["dtype"], ln["bytes"]) == (dtype, nbytes)]
-        med = [ln["median_s"] for ln in here]
-        lo = [m - min(ln["runs_s"]) for m, ln in zip(med, here)]
-        hi = [max(ln["runs_s"]) - m for m, ln in zip(med, here)]
-        ax.barh(range(len(here)), med, xerr=[lo, hi], capsize=2,
-                color=[colors.get(ln["system"], "k") for ln in here])
-        ax.set_yticks(range(len(here)), [f"{ln['system']}: {ln['case']}" for ln in here],
-                      fontsize=8)
-        ax.invert_yaxis()
-        for i, (m, h) in enumerate(zip(med, hi)):
-            ax.text(m + h, i, f"  {m:.2f}s", va="center", fontsize=7)
-        ax.set_xlabel("seconds (median, whiskers: min-max)")
-        ax.set_title(f"{nbytes / 1e9:.2f} GB of {dtype}, through fake-gcs-server", fontsize=10)
-    fig.suptitle("bench/gcs.py: resilient_ckpt's GCS tier vs orbax (lower is better)",
-                 fontsize=11)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

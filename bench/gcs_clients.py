@@ -16,39 +16,39 @@ then reads them back, 4 in flight. Also checked once per client: is a
 create-only write (if_generation_match=0, or the client's equivalent) refused
 when the object exists? That is what a commit needs.
 
-Output (../shared/BENCH.md): one JSON line per (system, case), where `system`
+Output (docs/bench_contract.md): one JSON line per (system, case), where `system`
 names the client; then a summary line with each client's throughput relative
 to google-cloud-storage's own paths. Logs go to stderr.
 
     python bench/gcs_clients.py                  # 16 x 32 MB, 3 repeats
     python bench/gcs_clients.py --quick          # 8 x 8 MB, 2 repeats
+    python bench/gcs_clients.py --objects 32 --object-size 64MB
+
+It takes no state sizes: --sizes (and --plot), which run_all.py passes to every
+script, are ignored.
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import io
-import json
 import logging
 import os
 import statistics
 import sys
 import time
 
-import numpy as np
+from _common import bench_parser, emit, emit_summary, parse_options, prepare, size_option
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+prepare(devices=8)
+
+import numpy as np  # noqa: E402
+
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
 
 log = logging.getLogger("bench.gcs_clients")
 BENCH = "gcs_clients"
 BUCKET = "bench-clients"
 INFLIGHT = 4
-
-
-def emit(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 class _Sink(io.RawIOBase):
@@ -129,19 +129,14 @@ def _copy(data, out: memoryview) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="8 x 8 MB, 2 repeats")
-    p.add_argument("--objects", type=int, default=16)
-    p.add_argument("--mb", type=float, default=32, help="object size in MB")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sizes", help="ignored (run_all passes it to every script)")
-    p.add_argument("--plot", help="ignored")
-    a = p.parse_args(argv)
+    p = bench_parser(__doc__, sizes=None, quick_help="8 objects of 8MB, 2 repeats")
+    p.add_argument("--objects", type=int, default=None, help="objects (default 16; --quick 8)")
+    p.add_argument("--object-size", type=size_option, default=None, metavar="SIZE",
+                   help="bytes per object, e.g. 32MB (default 32MB; --quick 8MB)")
+    a = parse_options(p, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    if a.quick:
-        a.objects, a.mb, a.repeats = 8, 8, 2
-    size = int(a.mb * 1e6)
+    a.objects = a.objects or (8 if a.quick else 16)
+    size = a.object_size or (8 if a.quick else 32) * 10**6
     data = np.random.default_rng(0).standard_normal(size // 4).astype(np.float32)
     view = memoryview(data).cast("B")
     outs = [np.empty(len(view), np.uint8) for _ in range(a.objects)]
@@ -183,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"{c}_{name}_vs_google-cloud-storage"] = round(
                 base[c] / statistics.median(runs[(name, c)]), 2)
         summary[f"create_only_enforced_{name}"] = enforced[name]
-    emit({"bench": BENCH, "summary": summary})
+    emit_summary(BENCH, summary)
     return 0
 
 

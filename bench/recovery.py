@@ -28,7 +28,7 @@ Then one goodput run: --goodput-steps steps with devices 4-7 failing every
 on steps that are kept / wall time (a kept step counts for the median step time
 of its mesh when its own time includes a compile or a wait).
 
-Output (../shared/BENCH.md): JSON lines on stdout, the summary last; logs on stderr.
+Output (docs/bench_contract.md): JSON lines on stdout, the summary last; logs on stderr.
 
     python bench/recovery.py                  # 1 GB state, 3 repeats; goodput 1000 steps at 256 MB
     python bench/recovery.py --quick          # 128 MB, 2 repeats; goodput 400 steps at 64 MB
@@ -36,16 +36,11 @@ Output (../shared/BENCH.md): JSON lines on stdout, the summary last; logs on std
 """
 from __future__ import annotations
 
-import os
-
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
+import contextlib
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -53,7 +48,10 @@ import sys
 import tempfile
 import time
 
-from _common import PRINTED, emit, parse_size, size_label  # noqa: E402
+from _common import (bench_parser, emit, emit_summary, make_mesh, parse_options, prepare,
+                     size_label, size_option)
+
+prepare(devices=8)  # jax itself is imported where used: the relaunched child times it
 
 BENCH = "recovery"
 D = 256          # embedding width
@@ -119,13 +117,8 @@ def build_aot(mesh, nbytes: int):
 
 
 def meshes():
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-    devices = jax.devices()[:8]
-    full = Mesh(np.array(devices).reshape(4, 2), ("data", "model"))
-    small = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "model"))
-    return full, small
+    """The full 8-device mesh and the 4-device one left after devices 4-7 fail."""
+    return make_mesh(4, 2), make_mesh(2, 2)
 
 
 # ---------------------------------------------------------------- the relaunched process
@@ -150,9 +143,8 @@ def child(a) -> int:
     state, loss = step(state)
     float(loss)
     t_step = time.perf_counter()
-    print(json.dumps({"import_s": t_import - t0, "mesh_s": t_mesh - t_import,
-                      "restore_s": t_restore - t_mesh, "first_step_s": t_step - t_restore}),
-          flush=True)
+    emit({"import_s": t_import - t0, "mesh_s": t_mesh - t_import,
+          "restore_s": t_restore - t_mesh, "first_step_s": t_step - t_restore})
     mngr.close()
     return 0
 
@@ -174,13 +166,21 @@ def relaunch(a, nbytes: int, orbax_dir: str, cache: str | None) -> dict:
 
 # ---------------------------------------------------------------- the loop
 
+@contextlib.contextmanager
 def manager(a, tag: str):
+    """A manager with the RAM and local tiers in fresh directories, closed and
+    its directories removed on exit."""
     from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
     local = tempfile.mkdtemp(prefix=f"rc-recovery-{tag}-", dir=a.workdir)
     ram = tempfile.mkdtemp(prefix=f"rc-recovery-{tag}-", dir=a.shm)
     mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=[
         RamTier(every=a.ram_every, keep=2, path=ram), LocalTier(every=a.local_every, keep=2)]))
-    return mngr, [local, ram]
+    try:
+        yield mngr
+    finally:
+        mngr.close()
+        for d in (local, ram):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def loop_recovery(a, nbytes: int, aot: bool, check) -> dict:
@@ -190,8 +190,7 @@ def loop_recovery(a, nbytes: int, aot: bool, check) -> dict:
     full, small = meshes()
     fail_at = 2 * a.ram_every + a.ram_every // 2 + 1
     faults = FaultInjector([DeviceFault(fail_at, (4, 5, 6, 7))], check=check)
-    mngr, dirs = manager(a, "loop")
-    try:
+    with manager(a, "loop") as mngr:
         el = Elastic(mngr, full, health_check=faults.health_check,
                      build=(lambda m: build_aot(m, nbytes)) if aot else None)
 
@@ -211,10 +210,6 @@ def loop_recovery(a, nbytes: int, aot: bool, check) -> dict:
         train()
         mngr.wait_until_finished()
         return el.timeline[0].to_dict()
-    finally:
-        mngr.close()
-        for d in dirs:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def orbax_checkpoint(a, nbytes: int) -> str:
@@ -284,10 +279,9 @@ def goodput(a, nbytes: int, check) -> dict:
     every = a.fail_every
     faults = FaultInjector([DeviceFault(s, (4, 5, 6, 7), s + every // 2)
                             for s in range(every, a.goodput_steps, every)], check=check)
-    mngr, dirs = manager(a, "goodput")
     done: list[tuple[int, float, int, bool]] = []  # step, end time, mesh size, first after entry
     entries: list[tuple[int, int]] = []            # (index into done, restored step)
-    try:
+    with manager(a, "goodput") as mngr:
         el = Elastic(mngr, full, health_check=faults.health_check, rescale_every_s=1.0,
                      build=lambda m: build_aot(m, nbytes))
 
@@ -305,10 +299,6 @@ def goodput(a, nbytes: int, check) -> dict:
 
         train()
         mngr.wait_until_finished()
-    finally:
-        mngr.close()
-        for d in dirs:
-            shutil.rmtree(d, ignore_errors=True)
     kept: dict[int, tuple[float | None, int]] = {}  # step -> (seconds, or None if first; size)
     for i, (step, t_end, size, first) in enumerate(done):
         for idx, restored in entries:
@@ -342,61 +332,14 @@ def goodput(a, nbytes: int, check) -> dict:
     return line
 
 
-# ---------------------------------------------------------------- plot
-
-def plot(lines: list[dict], out: str) -> None:
-    """Per size, each case's median recovery time split into its phases."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [ln for ln in lines if ln.get("case") in ("loop", "loop_jit", "relaunch",
-                                                     "relaunch_compile_cache")]
-    sizes = list(dict.fromkeys(ln["size"] for ln in rows))
-    fig, axes = plt.subplots(len(sizes), 1, figsize=(11, 2.8 * len(sizes)), squeeze=False)
-    colors = {"spawn_s": "#ff7f0e", "detect_s": "#999999", "health_s": "#8c564b", "rebuild_s": "#bcbd22",
-              "restore_s": "#1f77b4", "resume_s": "#2ca02c", "import_s": "#d62728",
-              "mesh_s": "#999999", "first_step_s": "#2ca02c"}
-    for ax, size in zip(axes[:, 0], sizes):
-        cases = [ln for ln in rows if ln["size"] == size]
-        for y, ln in enumerate(cases):
-            left, phases = 0.0, ln["phases_median_s"]
-            for k, v in phases.items():
-                ax.barh(y, v or 0.0, left=left, color=colors.get(k, "#cccccc"),
-                        label=k[:-2] if y == 0 or ln["system"] == "orbax" else None)
-                left += v or 0.0
-            ax.text(ln["median_s"], y, f" {ln['median_s']:.2f} s (median total)", va="center")
-        ax.set_yticks(range(len(cases)), [f"{ln['system']}\n{ln['case']}" for ln in cases])
-        ax.set_xlabel("seconds from the failure to the next completed step")
-        ax.set_title(f"recovery, {size} state, 8 -> 4 CPU devices (phases: medians)")
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                  fontsize=8)
-        ax.set_xlim(0, max(ln["median_s"] for ln in cases) * 1.35)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-
-
 # ---------------------------------------------------------------- main
 
-def goals_met(summary: dict) -> dict:
-    out = {}
-    for key, value in summary.items():
-        for prefix, (op, goal) in GOALS.items():
-            if key.startswith(prefix) and value is not None:
-                out[key] = value <= goal if op == "<=" else value >= goal
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="128 MB, 2 repeats, short goodput run")
-    ap.add_argument("--sizes", default=None, help="state sizes, comma separated (default 1GB)")
-    ap.add_argument("--repeats", type=int, default=None, help="repeats per size (default 3)")
-    ap.add_argument("--goodput-mb", type=float, default=None,
-                    help="state size of the goodput run in MB (default 256; quick 64)")
+    ap = bench_parser(__doc__, sizes="1GB", quick_sizes="128MB", plots=True,
+                      quick_help="128MB, 2 repeats, a goodput run of 400 steps at 64MB")
+    ap.add_argument("--goodput-size", type=size_option, default=None, metavar="SIZE",
+                    help="state size of the goodput run, e.g. 256MB (default 256MB; "
+                         "--quick 64MB)")
     ap.add_argument("--goodput-steps", type=int, default=None,
                     help="steps of the goodput run (default 1000; quick 400)")
     ap.add_argument("--fail-every", type=int, default=200,
@@ -405,21 +348,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-every", type=int, default=50, help="local tier interval (default 50)")
     ap.add_argument("--workdir", default=None, help="directory for the local tiers and Orbax")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the RAM tier")
-    ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--orbax-dir", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    a = parse_options(ap, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("resilient_ckpt").setLevel(logging.ERROR)
     if a.child:
         return child(a)
-    sizes = [parse_size(s) for s in (a.sizes or ("128MB" if a.quick else "1GB")).split(",")]
-    a.repeats = a.repeats or (2 if a.quick else 3)
     a.goodput_steps = a.goodput_steps or (400 if a.quick else 1000)
-    goodput_bytes = int((a.goodput_mb or (64 if a.quick else 256)) * 10**6)
+    goodput_bytes = a.goodput_size or (64 if a.quick else 256) * 10**6
     own = a.workdir is None
     a.workdir = a.workdir or tempfile.mkdtemp(prefix="rc-bench-recovery-")
     from resilient_ckpt import HealthCheck
@@ -428,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     check.prepare(jax.devices()[:8])
     summary: dict = {}
     try:
-        for n in sizes:
+        for n in a.sizes:
             m = measure_size(a, n, check)
             label = size_label(n)
             summary[f"loop_fraction_of_relaunch_{label}"] = m["loop"] / m["relaunch"]
@@ -443,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own:
             shutil.rmtree(a.workdir, ignore_errors=True)
-    emit({"bench": BENCH, "summary": summary, "goals_met": goals_met(summary)})
-    if a.plot:
-        plot(PRINTED, a.plot)
+    emit_summary(BENCH, summary, GOALS, plot=a.plot)
     return 0
 
 

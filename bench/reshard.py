@@ -12,6 +12,10 @@ restore memory budget" can be read off directly.
 
     python bench/reshard.py            # 1 GB and 4 GB, 3 repeats
     python bench/reshard.py --quick    # 96 MB, 2 repeats
+    python bench/reshard.py --sizes 1GB --repeats 5
+
+Output (docs/bench_contract.md): one JSON line per (system, case, size), then
+a summary line with the ratios; logs go to stderr.
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ import sys
 import tempfile
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+from _common import (bench_parser, emit, emit_summary, make_mesh, parse_options, prepare,
+                     proc_kb, size_label)
+
+prepare(devices=8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,10 +47,6 @@ from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions,  # noqa
 log = logging.getLogger("bench.reshard")
 BENCH = "reshard"
 SPEC = P("data", "model")
-
-
-def emit(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
 
 
 def build_state(total: int, mesh: Mesh) -> dict:
@@ -75,11 +76,7 @@ def nbytes(state) -> int:
 
 
 def rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+    return proc_kb("/proc/self/status", field)
 
 
 def measured(fn):
@@ -108,10 +105,7 @@ def peak_child(case: str, dirs: str) -> int:
     """Runs one restore in this (fresh) process and prints its peak memory."""
     system, tier, target = case.split(",")
     ours_dir, ram, orbax_dir = dirs.split(",")
-    devs = np.array(jax.devices()[:8])
-    meshes = {"same": Mesh(devs.reshape(4, 2), ("data", "model")),
-              "onto4": Mesh(devs[:4].reshape(2, 2), ("data", "model")),
-              "onto6": Mesh(devs[:6].reshape(3, 2), ("data", "model"))}
+    meshes = {"same": make_mesh(4, 2), "onto4": make_mesh(2, 2), "onto6": make_mesh(3, 2)}
     with CheckpointManager(ours_dir, options=CheckpointManagerOptions(
             cleanup_tmp_directories=False, read_only=True)) as m:
         abstract = target_on(m.item_metadata(1), meshes[target])
@@ -133,8 +127,7 @@ def peak_child(case: str, dirs: str) -> int:
 def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
     state = build_state(total, mesh8)
     size = nbytes(state)
-    label = (f"{round(size / 1e9, 1)}gb".replace(".0gb", "gb") if size >= 1e9
-             else f"{size // 10**6}mb")
+    label = size_label(total)
     root = tempfile.mkdtemp(prefix="bench-reshard-")
     ram = tempfile.mkdtemp(prefix="bench-reshard-", dir="/dev/shm")
     ours_dir, orbax_dir = os.path.join(root, "ours"), os.path.join(root, "orbax")
@@ -202,27 +195,19 @@ def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="96 MB, 2 repeats")
-    ap.add_argument("--sizes", default="1e9,4e9", help="state bytes, comma separated")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = bench_parser(__doc__, sizes="1GB,4GB", quick_sizes="96MB")
     ap.add_argument("--peak", help=argparse.SUPPRESS)  # internal: one case, fresh process
     ap.add_argument("--dirs", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    a = parse_options(ap, argv)
     if a.peak:
         return peak_child(a.peak, a.dirs)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    sizes = [96_000_000] if a.quick else [int(float(s)) for s in a.sizes.split(",")]
-    repeats = 2 if a.quick else a.repeats
-    devs = np.array(jax.devices()[:8])
-    mesh8 = Mesh(devs.reshape(4, 2), ("data", "model"))
-    meshes = {"onto4": Mesh(devs[:4].reshape(2, 2), ("data", "model")),
-              "onto6": Mesh(devs[:6].reshape(3, 2), ("data", "model"))}
+    meshes = {"onto4": make_mesh(2, 2), "onto6": make_mesh(3, 2)}
     summary = {}
-    for s in sizes:
-        summary.update(run_size(s, repeats, mesh8, meshes))
-    emit({"bench": BENCH, "summary": summary})
+    for s in a.sizes:
+        summary.update(run_size(s, a.repeats, make_mesh(4, 2), meshes))
+    emit_summary(BENCH, summary)
     return 0
 
 

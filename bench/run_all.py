@@ -6,10 +6,10 @@
     python bench/run_all.py --repeats 5 --sizes 2GB   # these arguments, passed through
 
 Every `bench/*.py` except this one and helpers named `_*.py` runs in its own
-process. Their stdout lines (one JSON object each, ../shared/BENCH.md) are
-forwarded to stdout as they come; a line that is not JSON goes to stderr with a
-warning. Their stderr (logs) passes through. The exit status is 0 when every
-script succeeded, else 1, after all have run.
+process. Their stdout lines (one JSON object each, docs/bench_contract.md) are
+forwarded to stdout as they come; a line that is not a JSON object goes to
+stderr with a warning. Their stderr (logs) passes through. The exit status is 0
+when every script succeeded, else 1, after all have run.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+
+from _common import emit
 
 
 def scripts(here: str) -> list[str]:
@@ -37,12 +39,14 @@ def run(script: str, args: list[str]) -> int:
         if not text:
             continue
         try:
-            json.loads(text)
+            obj = json.loads(text)
         except ValueError:
-            sys.stderr.write(f"run_all: {name} printed a line that is not JSON: {text}\n")
+            obj = None
+        if not isinstance(obj, dict):
+            sys.stderr.write(f"run_all: {name} printed a line that is not a JSON object: "
+                             f"{text}\n")
             continue
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        emit(obj)
     rc = proc.wait()
     if rc:
         sys.stderr.write(f"run_all: {name} failed with exit status {rc}\n")

@@ -16,7 +16,7 @@ tenants hits every system alike:
   blocking time of `save`, save + wait_until_finished, restore with a warm and
   a cold page cache.
 
-Output (../shared/BENCH.md): one JSON object per line on stdout, one per
+Output (docs/bench_contract.md): one JSON object per line on stdout, one per
 (system, case, size), then a summary line with the ratios; logs go to stderr.
 
     python bench/save_restore.py                 # 1 GB and 4 GB, 3 repeats
@@ -25,9 +25,7 @@ Output (../shared/BENCH.md): one JSON object per line on stdout, one per
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
-import json
 import logging
 import mmap
 import os
@@ -37,16 +35,15 @@ import sys
 import tempfile
 import time
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _common import (abstract_of, bench_parser, emit, emit_summary, make_mesh, parse_options,
+                     prepare, proc_kb, read_jsonl, same_values, size_label, trim)
+
+prepare(devices=8)
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-from _common import PRINTED, emit, parse_size, size_label, trim  # noqa: E402
 
 log = logging.getLogger("bench.save_restore")
 BENCH = "save_restore"
@@ -61,11 +58,7 @@ GOALS = {  # summary key prefix -> (comparison, goal), from the issue
 # ---------------------------------------------------------------- helpers
 
 def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_kb("/proc/meminfo", "MemAvailable") * 1024
 
 
 def timed(fn, *a, **kw) -> tuple[float, object]:
@@ -178,11 +171,6 @@ def build_state(total_bytes: int, mesh: Mesh) -> dict:
             "step": jax.device_put(np.int32(7), rep)}
 
 
-def abstract_of(state) -> object:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                        state)
-
-
 def unique_shards(state) -> list[np.ndarray]:
     """Zero-copy numpy views of every unique shard (replica 0), largest first."""
     out = [np.asarray(s.data) for a in jax.tree.leaves(state)
@@ -192,22 +180,6 @@ def unique_shards(state) -> list[np.ndarray]:
 
 def tree_bytes(state) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(state))
-
-
-def same(a_tree, b_tree) -> bool:
-    """Shard-by-shard equality and equal shardings (numpy, no jit)."""
-    a_leaves, b_leaves = jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)
-    if len(a_leaves) != len(b_leaves):
-        return False
-    for a, b in zip(a_leaves, b_leaves):
-        if a.shape != b.shape or a.dtype != b.dtype or not a.sharding.is_equivalent_to(
-                b.sharding, a.ndim):
-            return False
-        bs = {s.device: s for s in b.addressable_shards}
-        for s in a.addressable_shards:
-            if not np.array_equal(np.asarray(s.data), np.asarray(bs[s.device].data)):
-                return False
-    return True
 
 
 # ---------------------------------------------------------------- the systems
@@ -348,7 +320,7 @@ class Ours:
             t, out = timed(r.restore, step, args=ocp.args.StandardRestore(abstract))
             extra["served_bytes"] = dict(r.last_restore.bytes_by_tier)
             if check is not None:
-                extra["equal"] = same(check, out)
+                extra["equal"] = same_values(check, out)
             del out
             trim()
             return t, extra
@@ -394,7 +366,7 @@ class Orbax:
         trim()
         t, out = timed(self.mngr.restore, step, args=self.ocp.args.StandardRestore(abstract))
         if check is not None:
-            extra["equal"] = same(check, out)
+            extra["equal"] = same_values(check, out)
         del out
         trim()
         return t, extra
@@ -556,27 +528,8 @@ def ratios(m: dict[tuple[str, str], float], label: str) -> dict[str, float]:
     return {f"{k}_{label}": v for k, v in r.items()}
 
 
-def goals_met(summary: dict) -> dict[str, bool | None]:
-    out = {}
-    for key, value in summary.items():
-        for prefix, (op, goal) in GOALS.items():
-            if key.startswith(prefix + "_") and key[len(prefix) + 1:].count("_") == 0:
-                out[key] = None if value is None else (
-                    value >= goal if op == ">=" else value <= goal)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="Prints one JSON object per line on stdout (see shared/BENCH.md); "
-               "the last line is the summary.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="a small size (128MB) and 2 repeats: a check, under 2 minutes")
-    ap.add_argument("--sizes", default=None,
-                    help="comma-separated state sizes, e.g. 1GB,4GB (default) or 512MB")
-    ap.add_argument("--repeats", type=int, default=None, help="repeats per size (default 3)")
+    ap = bench_parser(__doc__, sizes="1GB,4GB", quick_sizes="128MB", plots=True)
     ap.add_argument("--workdir", default=None,
                     help="directory on the disk to measure (default: the system temp dir)")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the RAM tier (default /dev/shm)")
@@ -585,49 +538,32 @@ def main(argv: list[str] | None = None) -> int:
                          "io_threads)")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking restored values against the state (first repeat)")
-    ap.add_argument("--plot", default=None, help="also write a PNG plot here (needs matplotlib)")
     ap.add_argument("--summarize", metavar="JSONL", default=None,
                     help="measure nothing: read the lines of an earlier run from this file "
                          "and print them and the summary again (with --plot, plot them)")
-    args = ap.parse_args(argv)
+    args = parse_options(ap, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     for name in ("absl", "orbax", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    sizes = [parse_size(s) for s in (args.sizes or ("128MB" if args.quick else "1GB,4GB")
-                                     ).split(",")]
-    repeats = args.repeats or (2 if args.quick else 3)
     if jax.device_count() != 8:
         log.warning("running on %d devices, not 8", jax.device_count())
-    devs = np.array(jax.devices()[:8]).reshape(4, 2)
-    mesh = Mesh(devs, ("data", "model"))
+    mesh = make_mesh(4, 2)
     summary: dict = {}
     if args.summarize:
         by_size: dict[str, dict] = {}
-        with open(args.summarize) as f:
-            for ln in (json.loads(x) for x in f if x.strip().startswith("{")):
-                if ln.get("bench") == BENCH and "case" in ln:
-                    emit(ln)
-                    by_size.setdefault(ln["size"], {})[(ln["system"], ln["case"])] = \
-                        ln["median_s"]
+        for ln in read_jsonl(args.summarize):
+            if ln.get("bench") == BENCH and "case" in ln:
+                emit(ln)
+                by_size.setdefault(ln["size"], {})[(ln["system"], ln["case"])] = ln["median_s"]
         for label, medians in by_size.items():
             summary.update(ratios(medians, label))
-    for n in sizes if not args.summarize else []:
-        medians = run_size(n, repeats, args, mesh)
+    for n in args.sizes if not args.summarize else []:
+        medians = run_size(n, args.repeats, args, mesh)
         summary.update(ratios(medians, size_label(n)))
-    final = {"bench": BENCH, "summary": summary, "goals_met": goals_met(summary),
-             "goals": {k: f"{op} {g}" for k, (op, g) in GOALS.items()}}
-    if args.plot:
-        try:
-            from _plot import plot_save_restore
-        except ImportError as e:
-            log.warning("no plot: %s", e)
-        else:
-            plot_save_restore(PRINTED, final, args.plot)
-    emit(final)
+    emit_summary(BENCH, summary, GOALS, plot=args.plot)
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

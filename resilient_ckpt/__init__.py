@@ -1,26 +1,40 @@
 """resilient_ckpt: multi-tier, validity-checked checkpoints for JAX training.
 
 The public namespace: the Orbax-compatible manager and its options, the tier
-configurations, the records it keeps, the elastic loop, and the error hierarchy.
+configurations, every record and type it returns, the elastic loop, and the
+error hierarchy. Helpers for users' own tests are in `resilient_ckpt.testing`.
 """
-from .elastic import Elastic, RecoveryEvent, RecoveryPolicy, format_timeline, shrink_data_axis
-from .errors import (CheckpointError, CorruptCheckpointError, RecoveryFailedError,
-                     SaveFailedError, StepAlreadyExistsError, StepNotFoundError,
-                     StorageError, TargetMismatchError, UnsupportedFormatError)
-from .failures import HealthCheck, is_recoverable
-from .manager import CheckpointManager, CheckpointManagerOptions, SaveRecord
+from .commit import TierWrite
+from .elastic import (Elastic, HealthCheck, ManagerLike, RecoveryEvent, RecoveryPolicy,
+                      format_timeline, is_recoverable, shrink_data_axis)
+from .errors import (CheckpointError, CorruptCheckpointError, ItemNotFoundError,
+                     RecoveryFailedError, SaveFailedError, StepAlreadyExistsError,
+                     StepNotFoundError, StorageError, TargetMismatchError,
+                     UnsupportedArgsError, UnsupportedFormatError)
+from .manager import CheckpointManager
+from .metadata import RootMetadata, StepMetadata
+from .options import CheckpointManagerOptions, Plan, Retention, TierPlan
 from .restore import RestoreRecord
+from .saver import SaveRecord, Tier
+from .storage import Storage, StorageWrapper
 from .storage.retry import RetryPolicy
 from .tiers import GcsTier, LocalTier, RamTier
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # the manager and its configuration
     "CheckpointManager", "CheckpointManagerOptions", "RamTier", "LocalTier", "GcsTier",
-    "RetryPolicy",
-    "SaveRecord", "RestoreRecord", "CheckpointError", "CorruptCheckpointError",
-    "SaveFailedError", "StepAlreadyExistsError", "StepNotFoundError", "StorageError",
-    "TargetMismatchError", "UnsupportedFormatError",
-    "Elastic", "RecoveryPolicy", "RecoveryEvent", "HealthCheck", "is_recoverable",
-    "shrink_data_axis", "format_timeline", "RecoveryFailedError",
+    "RetryPolicy", "Plan", "TierPlan", "Retention", "Tier",
+    # what it returns
+    "SaveRecord", "TierWrite", "RestoreRecord", "StepMetadata", "RootMetadata",
+    # the storage interface, for backends of one's own
+    "Storage", "StorageWrapper",
+    # errors
+    "CheckpointError", "CorruptCheckpointError", "ItemNotFoundError", "SaveFailedError",
+    "StepAlreadyExistsError", "StepNotFoundError", "StorageError", "TargetMismatchError",
+    "UnsupportedArgsError", "UnsupportedFormatError", "RecoveryFailedError",
+    # the elastic loop
+    "Elastic", "ManagerLike", "RecoveryPolicy", "RecoveryEvent", "HealthCheck",
+    "is_recoverable", "shrink_data_axis", "format_timeline",
 ]

@@ -1,23 +1,49 @@
 """Chunk codecs: how a chunk's bytes are stored ("raw", or "zstd" frames).
 
-The checksum in the manifest is always over the uncompressed bytes, so a reader
-verifies what it will use, whatever the codec.
+The one list of codec names (`CODECS`, the `Codec` type), the check options
+are validated with, and the one place zstd is called: whole (`compress`,
+`encode`, `decode`) or as a stream (`compress_stream`, for chunks uploaded in
+pieces). The checksum in the manifest is always over the uncompressed bytes,
+so a reader verifies what it will use, whatever the codec.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 
 from .errors import CorruptCheckpointError
 
-CODECS = ("raw", "zstd")
+Codec = Literal["raw", "zstd"]
+CODECS: tuple[Codec, ...] = ("raw", "zstd")
+
+
+def check(codec: str, what: str) -> None:
+    """Raises ValueError, naming the option `what`, unless `codec` is known."""
+    if codec not in CODECS:
+        names = " or ".join(repr(c) for c in CODECS)
+        raise ValueError(f"{what} must be {names}, got {codec!r}")
+
+
+def compress(data, level: int = 1) -> bytes:
+    """One zstd frame of `data` (any buffer)."""
+    import zstandard
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def compress_stream(raw, level: int, size: int, read_size: int):
+    """A stream reading one zstd frame of what `raw` (`size` bytes) yields,
+    pulling `read_size` bytes of it at a time."""
+    import zstandard
+    return zstandard.ZstdCompressor(level=level).stream_reader(raw, size=size,
+                                                               read_size=read_size)
 
 
 def encode(codec: str, data: np.ndarray, level: int = 1) -> memoryview:
     if codec == "raw":
         return memoryview(data)
     if codec == "zstd":
-        import zstandard
-        return memoryview(zstandard.ZstdCompressor(level=level).compress(data))
+        return memoryview(compress(data, level))
     raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
 
 

@@ -15,6 +15,8 @@ import logging
 import time
 from typing import Callable
 
+import jax
+
 from . import layout, manifest as mf, transfer
 from .errors import CorruptCheckpointError, StepAlreadyExistsError
 from .selection import TierStep
@@ -37,6 +39,11 @@ class TierWrite:
     error: str | None = None
     source: str | None = None  # where the bytes came from: "host snapshot", or tier names
     stored_bytes: int | None = None  # bytes as stored (after the codec)
+    skipped: str | None = None  # why the write never ran (superseded, ...); ok is False
+
+    @classmethod
+    def skip(cls, tier: str, step: int, reason: str) -> "TierWrite":
+        return cls(tier, step, False, 0.0, 0, skipped=reason)
 
 
 def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Snapshot,
@@ -48,8 +55,7 @@ def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Sna
 
     def put(i: int) -> mf.ChunkRecord:
         c = snap.chunks[i]
-        snap.crc(i)
-        rec = _snap_record(c)
+        rec = snap.record(i)
         if enc.codec == "raw":
             storage.put(f"{d}/{c.key}", c.data)
             return rec
@@ -155,11 +161,6 @@ def _remove(storage: Storage, d: str, keys: list[str]) -> None:
             return
 
 
-def _snap_record(c) -> mf.ChunkRecord:
-    n = int(c.data.nbytes)
-    return mf.ChunkRecord(c.offsets, c.sizes, c.key, n, n, c.crc, "raw", c.block_bytes, c.blocks)
-
-
 def _with_stored(items: tuple, stored: dict) -> tuple:
     """Item records whose chunks are replaced by their records as stored."""
     return tuple(dataclasses.replace(it, leaves=tuple(
@@ -195,11 +196,18 @@ def tier_step(tier: str, manifests: tuple) -> TierStep:
     return TierStep(tier, tuple(manifests), sizes)
 
 
+def _manifest_names(storage: Storage, d: str) -> list[str]:
+    """The manifests in step directory `d` (listed by name prefix, which a
+    remote store filters on its side)."""
+    names = storage.list(d, starts_with=layout.MANIFEST_PREFIX)
+    return sorted(n for n in names if layout.parse_manifest_name(n))
+
+
 def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int
                  ) -> TierStep | None:
     d = naming.name(step)
     if storage.sizes_from_manifest:
-        manifests = read_manifests(storage, d, storage.list_manifests(d))
+        manifests = read_manifests(storage, d, _manifest_names(storage, d))
         return tier_step(tier, manifests) if manifests else None
     names = storage.list(d)
     manifests = read_manifests(storage, d, names)
@@ -260,6 +268,25 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     return removed
 
 
+def clean_tier(storage: Storage, naming: layout.StepNaming, orphan_age_s: float | None
+               ) -> None:
+    """Removes dead saves' leftovers from one tier, logging what it did: on a
+    shared tier by age and on process 0 only (`collect_orphans`), else by
+    writer liveness (`cleanup`). A failure is logged, never raised: cleanup
+    must not stop a manager from opening."""
+    try:
+        if storage.shared:  # seen by every host: one of them collects
+            if jax.process_index() != 0:
+                return
+            removed = collect_orphans(storage, naming, orphan_age_s or 3600.0)
+        else:
+            removed = cleanup(storage, naming)
+        if removed:
+            log.info("cleaned %d leftovers of dead saves in %s", len(removed), storage.url)
+    except OSError as e:
+        log.warning("cleanup of %s failed: %s", storage.url, e)
+
+
 def collect_orphans(storage: Storage, naming: layout.StepNaming, min_age_s: float
                     ) -> list[str]:
     """Removes our chunks from step directories that hold no manifest, once
@@ -273,7 +300,7 @@ def collect_orphans(storage: Storage, naming: layout.StepNaming, min_age_s: floa
     """
     removed = []
     for name in storage.list(""):
-        if naming.parse(name) is None or storage.list_manifests(name):
+        if naming.parse(name) is None or _manifest_names(storage, name):
             continue
         ages = storage.object_ages(name)
         if not ages or min(ages.values()) < min_age_s:
@@ -290,7 +317,7 @@ def delete_step(storage: Storage, naming: layout.StepNaming, step: int) -> None:
     """Deletes manifests first, so a crash part-way never leaves a step that
     looks committed and is not; the rest is removed after (or by `cleanup`)."""
     d = naming.name(step)
-    for n in storage.list_manifests(d):
+    for n in _manifest_names(storage, d):
         storage.delete(f"{d}/{n}")
     storage.flush(d)
     storage.delete_dir(d)

@@ -15,6 +15,7 @@ import re
 import socket
 import uuid
 
+MANIFEST_PREFIX = "manifest."  # every manifest's name starts so (for listing them)
 _MANIFEST_RE = re.compile(r"^manifest\.(\d+)-of-(\d+)\.json$")
 _TMP_RE = re.compile(r"\.tmp\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)\.[0-9a-f]+$")
 _CHUNK_RE = re.compile(r"^[0-9a-f]{8}\.c\d+\.\d+\.(s|\d+(_\d+)*)$")
@@ -49,7 +50,7 @@ class StepNaming:
 
 
 def manifest_name(process_index: int, process_count: int) -> str:
-    return f"manifest.{process_index}-of-{process_count}.json"
+    return f"{MANIFEST_PREFIX}{process_index}-of-{process_count}.json"
 
 
 def parse_manifest_name(name: str) -> tuple[int, int] | None:

@@ -14,11 +14,11 @@ import json
 import math
 from typing import Any
 
+from .codec import CODECS  # the one list of codec names
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT_NAME = "resilient_ckpt"
 FORMAT_VERSION = 1
-CODECS = ("raw", "zstd")
 LEAF_KINDS = ("array", "prng_key", "numpy", "numpy_scalar", "scalar", "none")
 ITEM_KINDS = ("pytree", "json")
 PATH_KINDS = ("key", "index", "attr")

@@ -6,6 +6,7 @@ custom metadata made plain JSON before they go into a manifest.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -13,9 +14,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .manifest import ItemRecord, decode_scalar
+from .args import DEFAULT_ITEM, composite
+from .manifest import ItemRecord, Manifest, decode_scalar
 from .pytree import build_nested, flatten
 from .sharding import rebuild
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    """What `metadata(step)` returns, field for field as Orbax's."""
+
+    step: int
+    item_metadata: Any
+    metrics: Any
+    custom_metadata: Any
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RootMetadata:
+    """What `metadata()` without a step returns."""
+
+    custom_metadata: Any = None
+
+
+def step_metadata(m: Manifest) -> StepMetadata:
+    per_item = {it.name: abstract_item(it) for it in m.items}
+    item_md = (per_item[DEFAULT_ITEM] if list(per_item) == [DEFAULT_ITEM]
+               else composite(per_item))
+    # Orbax's StepMetadata gives {} (not None) when there are none.
+    return StepMetadata(m.step, item_md, {} if m.metrics is None else m.metrics,
+                        {} if m.custom_metadata is None else m.custom_metadata, m.created)
 
 
 def restore_arg_for(restore_args: Any, path) -> Any:

@@ -1,6 +1,7 @@
 """A progress bar for long restores: bytes read from each tier, shown with tqdm.
 
-`wrap` puts a counting layer over each tier's storage for one restore; every
+`wrap` puts a counting layer (a StorageWrapper, so every other member of the
+storage is the backend's own) over each tier's storage for one restore; every
 byte read, mapped or placed moves one shared bar (on stderr). The total is the
 chosen step's stored bytes when this process reads all of them (one process);
 otherwise the bar counts without a total.
@@ -12,57 +13,40 @@ from typing import Any, Mapping
 
 from .selection import Choice
 from .storage.base import Storage
+from .storage.wrapper import StorageWrapper
 
 
-class _Counting(Storage):
-    """Delegates everything to `inner`; reads advance `bar`."""
+class _Counting(StorageWrapper):
+    """Forwards everything to `inner`; reads advance `bar`."""
 
     def __init__(self, inner: Storage, bar: Any, lock: threading.Lock):
-        self._inner, self._bar, self._lock = inner, bar, lock
-        self.kind, self.url = inner.kind, inner.url
-        self.shared, self.sizes_from_manifest = inner.shared, inner.sizes_from_manifest
+        super().__init__(inner)
+        self._bar, self._lock = bar, lock
 
     def _tick(self, n: int) -> None:
         with self._lock:
             self._bar.update(n)
 
     def read_into(self, key, out, offset=0):
-        self._inner.read_into(key, out, offset)
+        self.inner.read_into(key, out, offset)
         self._tick(len(memoryview(out).cast("B")))
 
+    def read(self, key):
+        data = self.inner.read(key)
+        self._tick(len(data))
+        return data
+
     def map(self, key, nbytes):
-        m = self._inner.map(key, nbytes)
+        m = self.inner.map(key, nbytes)
         if m is not None:
             self._tick(nbytes)
         return m
 
     def place(self, key, region, file_offset, dest_offset, length):
-        ok = self._inner.place(key, region, file_offset, dest_offset, length)
+        ok = self.inner.place(key, region, file_offset, dest_offset, length)
         if ok:
             self._tick(length)
         return ok
-
-    def __getattr__(self, name):  # everything a restore does not read through
-        return getattr(self._inner, name)
-
-    # The abstract methods, delegated (restore never calls them).
-    def put(self, key, data):
-        return self._inner.put(key, data)
-
-    def put_if_absent(self, key, data):
-        return self._inner.put_if_absent(key, data)
-
-    def size(self, key):
-        return self._inner.size(key)
-
-    def list(self, prefix=""):
-        return self._inner.list(prefix)
-
-    def delete(self, key):
-        return self._inner.delete(key)
-
-    def delete_dir(self, prefix):
-        return self._inner.delete_dir(prefix)
 
 
 def wrap(storages: Mapping[str, Storage], choice: Choice, all_mine: bool

@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import codec, layout
+from . import args as args_lib, codec, layout, metadata
 from .hostmem import Region, host_buffer
-from .errors import CorruptCheckpointError, StorageError, TargetMismatchError
-from .manifest import ChunkRecord, LeafRecord, decode_scalar, path_str
+from .errors import CorruptCheckpointError, ItemNotFoundError, StorageError, TargetMismatchError
+from .manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
 from .planner import blocks_for_rows, plan_target, rows_per_block
+from .pytree import build_nested, flatten, match_target, unflatten
 from .selection import Choice
 from .sharding import index_to_box, rebuild
 from .storage.base import Storage
@@ -122,7 +123,7 @@ class ChunkReader:
         first = next((t for t in self.choice.sources.get(c.key, ())
                       if (t, c.key) not in self.bad), None)
         futures = []
-        if first is not None and self.storages[first].kind != "ram":
+        if first is not None and not self.storages[first].zero_copy:
             direct = [(src, dst) for src, dst in parts if _rows_in_place(c, src, dst)]
             futures = [self.pool.submit(self.direct, c, dtype, src, dst, where)
                        for src, dst in direct]
@@ -216,7 +217,7 @@ class ChunkReader:
             tier = next((t for t in self.choice.sources.get(c.key, ())
                          if (t, c.key) not in self.bad), None)
             if not full or c.codec != "raw" or rows_per_block(c) is None or tier is None \
-                    or self.storages[tier].kind != "ram":
+                    or not self.storages[tier].zero_copy:
                 return None
             picks.append((p, tier))
         total = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
@@ -418,3 +419,65 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
             a.block_until_ready()
     reader.record.seconds += time.perf_counter() - t0
     return out
+
+
+# ------------------------------------------------------------------ items of a step
+
+def restore_choice(choice: Choice, storages: Mapping[str, Storage], naming: layout.StepNaming,
+                   requests: dict | None, is_composite: bool, record: RestoreRecord,
+                   bad: set, budget: int, progress: bool = False) -> Any:
+    """Restores the items `requests` names (all, when None) of a selected step.
+
+    Copies that fail a read are added to `bad` (the caller keeps them out of
+    later selections); `progress` shows a bar of the bytes read.
+    """
+    bar = None
+    if progress:
+        from . import progress as progress_bar
+        storages, bar = progress_bar.wrap(storages, choice, jax.process_count() == 1)
+    reader = ChunkReader(storages, naming, choice, bad, record, budget)
+    try:
+        m = choice.manifest
+        names = [it.name for it in m.items]
+        if requests is None:
+            requests = {n: args_lib.RestoreRequest("any") for n in names}
+            is_composite = names != [args_lib.DEFAULT_ITEM]
+        out = {}
+        for name, req in requests.items():
+            if name not in names:
+                raise ItemNotFoundError(f"step {choice.step} has no item {name!r} "
+                                        f"(items: {names})")
+            out[name] = _restore_item(m.item(name), req, reader, choice.step)
+    finally:
+        reader.close()
+        if bar is not None:
+            bar.close()
+    if is_composite:
+        return args_lib.composite(out)
+    return out[args_lib.DEFAULT_ITEM]
+
+
+def _restore_item(item: ItemRecord, req: args_lib.RestoreRequest, reader: ChunkReader,
+                  step: int) -> Any:
+    if item.kind == "json":
+        if req.kind == "pytree":
+            raise TargetMismatchError(f"step {step}: item {item.name!r} was saved "
+                                      "with JsonSave; restore it with JsonRestore")
+        return item.value
+    if req.kind == "json":
+        raise TargetMismatchError(f"step {step}: item {item.name!r} is a pytree; "
+                                  "restore it with StandardRestore or PyTreeRestore")
+    saved_paths = [lf.path for lf in item.leaves]
+    where = f"step {step}, item {item.name!r}"
+    if req.item is None:
+        records = list(item.leaves)
+        targets = [target_for(None, metadata.restore_arg_for(req.restore_args, lf.path))
+                   for lf in records]
+        values = restore_leaves(records, targets, reader)
+        return build_nested(list(zip(saved_paths, values)))
+    pairs, treedef = flatten(req.item)
+    idx = match_target(saved_paths, [p for p, _ in pairs], partial=req.partial, where=where)
+    records = [item.leaves[i] for i in idx]
+    targets = [target_for(leaf, metadata.restore_arg_for(req.restore_args, p))
+               for p, leaf in pairs]
+    return unflatten(treedef, restore_leaves(records, targets, reader))

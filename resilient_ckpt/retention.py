@@ -28,11 +28,19 @@ def to_delete(steps: Sequence[int], keep: int | None, *, keep_period: int | None
     elif keep is None or len(steps) <= keep:
         kept |= set(steps)  # as Orbax's BestN: nothing goes until there are more than `keep`
     else:
-        with_m = [s for s in steps if metrics.get(s) is not None]
         if keep_checkpoints_without_metrics:
             kept |= {s for s in steps if metrics.get(s) is None}
-        # Worst to best, stable: among equal metrics the newer step ranks better (as Orbax).
-        ranked = sorted(with_m, key=lambda s: best_fn(metrics[s]),
-                        reverse=(best_mode == "min"))
+        ranked = rank_best(steps, metrics, best_fn, best_mode)
         kept |= set(ranked[-keep:] if keep else [])
     return [s for s in steps if s not in kept]
+
+
+def rank_best(steps: Sequence[int], metrics: Mapping[int, Any],
+              best_fn: Callable[[Any], float], best_mode: str = "max") -> list[int]:
+    """The steps that have metrics, worst first and best last.
+
+    As Orbax: a stable sort of the steps in ascending order, so among equal
+    values the newer step ranks better.
+    """
+    with_m = [s for s in sorted(steps) if metrics.get(s) is not None]
+    return sorted(with_m, key=lambda s: best_fn(metrics[s]), reverse=(best_mode == "min"))

@@ -6,7 +6,7 @@ copy completes before `take` returns, so the next step may donate or overwrite
 the state's buffers. Slabs are anonymous huge-page mappings kept for the next
 save: the first save pays for touching fresh memory (0.6-1.3 GB/s on these
 machines, against 15-23 GB/s into memory already touched, per
-../shared/ENVIRONMENT.md), every later save of the same state copies into warm
+docs/environment.md), every later save of the same state copies into warm
 memory. The pool holds at most what the host-memory budget lets be in flight.
 """
 from __future__ import annotations
@@ -101,14 +101,17 @@ class Snapshot:
                 c.block_bytes, c.blocks, c.crc = (bb if blocks else 0), tuple(blocks), whole
         return c.crc
 
+    def record(self, i: int) -> ChunkRecord:
+        """Chunk `i`'s record as stored raw (checksums computed)."""
+        c, crc = self.chunks[i], self.crc(i)
+        n = int(c.data.nbytes)
+        return ChunkRecord(c.offsets, c.sizes, c.key, n, n, crc, "raw", c.block_bytes, c.blocks)
+
     def manifest_items(self) -> tuple[ItemRecord, ...]:
         """Item records with this snapshot's chunks (checksums computed)."""
         per_leaf: dict[tuple[int, int], list[ChunkRecord]] = {}
         for i, c in enumerate(self.chunks):
-            n = int(c.data.nbytes)
-            per_leaf.setdefault((c.item, c.leaf), []).append(
-                ChunkRecord(c.offsets, c.sizes, c.key, n, n, self.crc(i), "raw",
-                            c.block_bytes, c.blocks))
+            per_leaf.setdefault((c.item, c.leaf), []).append(self.record(i))
         out = []
         for ii, it in enumerate(self.items):
             leaves = tuple(dataclasses.replace(lf, chunks=tuple(per_leaf.get((ii, li), ())))

@@ -13,6 +13,7 @@ import hashlib
 import os
 import tempfile
 
+from .codec import check as check_codec
 from .storage import FileStorage, Storage
 from .storage.retry import RetryPolicy
 
@@ -27,6 +28,7 @@ class RamTier:
     keep: int | None = 2
     path: str | None = None  # default: /dev/shm/resilient_ckpt/<hash of the directory>
     kind = "ram"
+    rank = 0  # tier order: fastest first
 
     def open(self, directory: str, create: bool) -> Storage:
         path = self.path
@@ -38,7 +40,7 @@ class RamTier:
             digest = hashlib.sha256(where.encode()).hexdigest()[:16]
             path = os.path.join(base, "resilient_ckpt", digest)
         # tmpfs has no durability to gain from fsync; a host crash loses it anyway.
-        return FileStorage(path, "ram", fsync=False, create=create)
+        return FileStorage(path, "ram", fsync=False, create=create, zero_copy=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,7 @@ class LocalTier:
     keep: int | None = None
     fsync: bool = True
     kind = "local"
+    rank = 1  # tier order: fastest first
 
     def open(self, directory: str, create: bool) -> Storage:
         if self.path is None and directory.startswith("gs://"):
@@ -93,10 +96,10 @@ class GcsTier:
     retry: RetryPolicy = RetryPolicy()
     orphan_age_s: float = 3600.0
     kind = "gcs"
+    rank = 2  # tier order: fastest first
 
     def __post_init__(self):
-        if self.codec not in ("raw", "zstd"):
-            raise ValueError(f"GcsTier.codec must be 'raw' or 'zstd', got {self.codec!r}")
+        check_codec(self.codec, "GcsTier.codec")
         if self.concurrency < 1:
             raise ValueError(f"GcsTier.concurrency must be >= 1, got {self.concurrency}")
 

@@ -23,6 +23,7 @@ import io
 import google_crc32c
 import numpy as np
 
+from .codec import Codec, check as check_codec, compress, compress_stream
 from .errors import CorruptCheckpointError, StorageError
 from .manifest import ChunkRecord
 from .storage.base import Storage
@@ -39,13 +40,12 @@ class Encoding:
     """How a tier stores chunks: `codec` "raw" or "zstd" (at `level`), zstd only
     where it saves at least `min_gain` of a chunk's bytes."""
 
-    codec: str = "raw"
+    codec: Codec = "raw"
     level: int = 1
     min_gain: float = 0.03
 
     def __post_init__(self):
-        if self.codec not in ("raw", "zstd"):
-            raise ValueError(f"codec must be 'raw' or 'zstd', got {self.codec!r}")
+        check_codec(self.codec, "codec")
 
 
 class Source:
@@ -139,11 +139,6 @@ class _Counted(io.RawIOBase):
         return data
 
 
-def _compress(data, level: int) -> bytes:
-    import zstandard
-    return zstandard.ZstdCompressor(level=level).compress(data)
-
-
 def _whole(src: Source, c: ChunkRecord) -> memoryview:
     view = src.view()
     if view is None:
@@ -163,7 +158,7 @@ def _sample_gain(src: Source, c: ChunkRecord, enc: Encoding) -> float:
         buf = bytearray(n)
         src.read_into(memoryview(buf), 0)
         view = memoryview(buf)
-    return 1 - len(_compress(view[:n], enc.level)) / max(n, 1)
+    return 1 - len(compress(view[:n], enc.level)) / max(n, 1)
 
 
 def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
@@ -176,7 +171,7 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
     if c.nbytes <= piece:
         data = _whole(src, c)
         if enc.codec == "zstd" and c.nbytes:
-            packed = _compress(data, enc.level)
+            packed = compress(data, enc.level)
             if len(packed) <= c.nbytes * (1 - enc.min_gain):
                 storage.put(key, memoryview(packed))
                 return dataclasses.replace(c, codec="zstd", stored_nbytes=len(packed))
@@ -187,12 +182,7 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
 
     def opener() -> io.RawIOBase:
         raw = _Raw(src, c)
-        if zstd:
-            import zstandard
-            inner = zstandard.ZstdCompressor(level=enc.level).stream_reader(
-                raw, size=c.nbytes, read_size=piece)
-        else:
-            inner = raw
+        inner = compress_stream(raw, enc.level, c.nbytes, piece) if zstd else raw
         streams.append(_Counted(inner))
         return streams[-1]
 

@@ -212,7 +212,7 @@ def test_short_or_missing_chunk_in_one_tier_is_skipped_by_selection(dirs, damage
     others = dirs.digest((1, 2))
     with dirs.open() as m:
         assert m.latest_step() == 3
-        assert m._viable()[3].sources[key_of(bad)] == ("local",)
+        assert m.catalog.viable()[3].sources[key_of(bad)] == ("local",)
         assert_exact(restore(m, 3), 3)
         rec = m.last_restore
         assert rec.served[key_of(bad)] == "local"
@@ -285,7 +285,7 @@ def test_bad_manifest_in_every_tier_step_not_selected(dirs, damage, caplog):
         with pytest.raises(rc.StepNotFoundError):
             restore(m, 3)
         # What the manager saw for step 3, per tier: the parse error.
-        errors = [e for ts in m._observations()[3] for e in ts.manifests]
+        errors = [e for t in m.tier_names for e in m.catalog.view(t)[3].manifests]
         assert len(errors) == 2
         assert all(isinstance(e, rc.CorruptCheckpointError) for e in errors)
         if damage == "future":

@@ -19,3 +19,15 @@ def test_demo_crash_and_resume():
         assert row in out.stdout, out.stdout
     assert "from ram 100%" in out.stdout, out.stdout
     assert "restore step" in out.stderr, out.stderr  # the progress bar of the GCS restore
+
+
+def test_importing_the_demos_leaves_the_environment_alone():
+    """Only the entry point asks for 8 host devices; importing a demo module does not."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    code = ("import os; import resilient_ckpt.demo, resilient_ckpt.demo.crash, "
+            "resilient_ckpt.demo.elastic_demo; print(os.environ.get('XLA_FLAGS'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None", out.stdout

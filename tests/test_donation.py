@@ -210,7 +210,7 @@ def test_tier_failure_is_raised_once_and_training_goes_on(tmp_path, ram, next_ca
         assert mngr.save(4, args=ocp.args.StandardSave(state))
         mngr.wait_until_finished()
         assert mngr.all_steps() == ([1, 2, 3, 4] if next_call != "save" else [1, 2, 4])
-        assert 2 not in mngr._obs["local"]
+        assert 2 not in mngr.catalog.view("local")
     finally:
         try:
             mngr.close()
@@ -222,7 +222,7 @@ def test_tier_failure_is_raised_once_and_training_goes_on(tmp_path, ram, next_ca
     # A new manager: step 2 exists in the RAM tier only, nothing of it in local.
     with _manager(tmp_path / "ckpt", ram, local) as m2:
         m2._cleanup.join(30)
-        assert 2 not in m2._obs["local"] and 2 in m2._obs["ram"]
+        assert 2 not in m2.catalog.view("local") and 2 in m2.catalog.view("ram")
         assert _committed_files(local, 2) == []
         for step in m2.all_steps():
             out = m2.restore(step, args=ocp.args.StandardRestore(abstract(state)))
@@ -278,8 +278,8 @@ def test_failure_mid_write_leaves_nothing_committed_looking(tmp_path, ram, monke
         mngr.wait_until_finished()
     with _manager(tmp_path / "ckpt", ram, local) as m2:
         m2._cleanup.join(30)
-        assert sorted(m2._obs["local"]) == [1, 3]
-        assert sorted(m2._obs["ram"]) == [1, 2, 3]
+        assert sorted(m2.catalog.view("local")) == [1, 3]
+        assert sorted(m2.catalog.view("ram")) == [1, 2, 3]
         d = os.path.join(local, "2")  # at most an empty directory is left
         assert not os.path.isdir(d) or os.listdir(d) == []
         for step in (1, 2, 3):

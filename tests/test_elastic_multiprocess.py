@@ -3,7 +3,7 @@
 Two local processes form one JAX job (jax.distributed on 127.0.0.1, gloo
 collectives, one CPU device each) and run a cross-process reduction in a loop;
 the parent SIGKILLs process 1 (how a lost host is simulated here, per
-ENVIRONMENT.md) and process 0 reports what it caught and what
+docs/environment.md) and process 0 reports what it caught and what
 `is_recoverable` says about it, then exits at once (before the coordination
 service's heartbeat timeout would abort it).
 """

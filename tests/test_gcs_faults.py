@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, GcsTier, RamTier,
-                            RetryPolicy, manifest as mf)
+                            RetryPolicy, layout, manifest as mf)
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.fake_gcs import FakeGcs
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
@@ -61,7 +61,7 @@ def complete_steps(st: GcsStorage) -> set[int]:
     the proxy, straight from the server."""
     out = set()
     for name in st.list(""):
-        for mname in st.list_manifests(name):
+        for mname in st.list(name, starts_with=layout.MANIFEST_PREFIX):
             m = mf.parse(st.read(f"{name}/{mname}"), mname)
             present = set(st.list(name))
             assert all(c.key in present and st.size(f"{name}/{c.key}") == c.stored_nbytes

@@ -71,7 +71,7 @@ def gcs_only(url, endpoint, **kw):
 
 def manifests(gcs, url, step):
     st = GcsStorage(url, endpoint=gcs.endpoint)
-    return st.list_manifests(str(step))
+    return st.list(str(step), starts_with=layout.MANIFEST_PREFIX)
 
 
 def test_gcs_alone_round_trips_bit_exact_with_zstd(gcs, url, mesh):
@@ -86,7 +86,7 @@ def test_gcs_alone_round_trips_bit_exact_with_zstd(gcs, url, mesh):
         assert m2.all_steps() == [1]
         assert_equal(m2.restore(1, args=ocp.args.StandardRestore(abstract(state))), state)
         assert set(m2.last_restore.bytes_by_tier) == {"gcs"}
-        codecs = {c.codec for _, _, c in m2._viable()[1].manifest.chunks()}
+        codecs = {c.codec for _, _, c in m2.catalog.viable()[1].manifest.chunks()}
         assert codecs == {"raw", "zstd"}  # bf16 and f32 shrink; int8 and keys do not
 
 
@@ -95,7 +95,7 @@ def test_raw_is_the_default_codec(gcs, url, mesh):
     with CheckpointManager(url, options=gcs_only(url, gcs.endpoint)) as m:
         m.save(2, args=ocp.args.StandardSave(state))
         m.wait_until_finished()
-        assert {c.codec for _, _, c in m._viable()[2].manifest.chunks()} == {"raw"}
+        assert {c.codec for _, _, c in m.catalog.viable()[2].manifest.chunks()} == {"raw"}
         assert_equal(m.restore(2), state)
 
 
@@ -174,7 +174,7 @@ def test_source_step_is_kept_until_its_upload_ends(gcs, url, mesh, ram_path, tmp
     # Step 1's upload was still queued behind step 0's when step 2 came: only
     # the newest needs to reach GCS, so it was dropped (and its RAM pin with it).
     assert gcs_writes[0].source == gcs_writes[2].source == "ram"
-    assert "superseded by step 2" in gcs_writes[1]
+    assert "superseded by step 2" in gcs_writes[1].skipped
     # The snapshot went back once RAM had the step, not after the slow upload.
     assert max(r.waited_s for r in m.save_records) < gcs_writes[0].seconds / 2
     with CheckpointManager(url, options=gcs_only(url, gcs.endpoint)) as g:
@@ -248,7 +248,7 @@ def test_two_managers_racing_for_one_step_commit_once(gcs, url, mesh):
         m.close()
     with CheckpointManager(url, options=gcs_only(url, gcs.endpoint)) as g:
         assert_equal(g.restore(7), states[winner])
-        keys = {c.key for _, _, c in g._viable()[7].manifest.chunks()}
+        keys = {c.key for _, _, c in g.catalog.viable()[7].manifest.chunks()}
     st = GcsStorage(url, endpoint=gcs.endpoint)
     assert set(st.list("7")) == keys | {"manifest.0-of-1.json"}  # the loser cleaned up
 
@@ -278,7 +278,7 @@ def test_a_damaged_gcs_step_is_skipped_on_read(gcs, url, mesh):
         for s, state in enumerate(states):
             m.save(s, args=ocp.args.StandardSave(state))
         m.wait_until_finished()
-        key = next(c.key for _, _, c in m._viable()[1].manifest.chunks())
+        key = next(c.key for _, _, c in m.catalog.viable()[1].manifest.chunks())
     st = GcsStorage(url, endpoint=gcs.endpoint)
     st.put(f"1/{key}", memoryview(b"garbage"))  # wrong size: found when read
     with CheckpointManager(url, options=gcs_only(url, gcs.endpoint)) as m:

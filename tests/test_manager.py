@@ -182,7 +182,7 @@ def test_budget_skip_drops_superseded_queued_writes_and_records_it(tmp_path, ram
     assert rec2.waited_s < 5
     gate.set()
     m.wait_until_finished()
-    assert "superseded by step 2" in rec1.tiers["local"] and rec1.tiers["ram"].ok
+    assert "superseded by step 2" in rec1.tiers["local"].skipped and rec1.tiers["ram"].ok
     assert rec2.tiers["local"].ok and rec2.tiers["ram"].ok
     assert sorted(os.listdir(tmp_path)) == ["0", "2"]
     assert m.all_steps() == [0, 1, 2]

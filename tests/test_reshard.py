@@ -111,7 +111,7 @@ def test_a_process_reads_only_what_its_devices_need(dirs):
     host = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
     m8 = mesh_of(8, (4, 2))
     m = saved_leaf(root, ram, {"w": jax.device_put(host, NamedSharding(m8, P("a", "b")))})
-    choice = m._viable()[1]
+    choice = m.catalog.viable()[1]
     leaf = choice.manifest.items[0].leaves[0]
     m6 = mesh_of(6, (6,))
     target = NamedSharding(m6, P("a"))
@@ -122,8 +122,8 @@ def test_a_process_reads_only_what_its_devices_need(dirs):
                                {k: tier_order for k in choice.sources})
         for share in (boxes[:3], boxes):
             rec = RestoreRecord(1)
-            storages = {t.name: t.storage for t in m._tiers}
-            reader = ChunkReader(storages, m._naming, sub, set(), rec, budget=8 << 20)
+            storages = m.catalog.storages()
+            reader = ChunkReader(storages, m.naming, sub, set(), rec, budget=8 << 20)
             out = _host_boxes(leaf, share, reader, "w", False)
             need = sum(int(np.prod(b[1])) * 4 for b in share)
             assert set(rec.bytes_by_tier) == {name}

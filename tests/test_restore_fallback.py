@@ -37,7 +37,7 @@ def state_for(step, mesh):
 def chunk_files(mngr, step):
     """{(tier, chunk key): path} for every chunk copy of a step."""
     out = {}
-    for t in mngr._tiers:
+    for t in mngr.tiers:
         d = os.path.join(t.storage.root, str(step))
         for name in os.listdir(d) if os.path.isdir(d) else []:
             if not name.startswith(("manifest", ".")):
@@ -58,7 +58,7 @@ def test_restore_latest_falls_back_past_corrupt_steps(mesh, data):
             for s in STEPS:
                 m.save(s, args=ocp.args.StandardSave(state_for(s, mesh)))
             m.wait_until_finished()
-            manifests = {s: m._viable()[s].manifest for s in STEPS}
+            manifests = {s: m.catalog.viable()[s].manifest for s in STEPS}
         crcs = {s: {c.key: c.crc32c for _, _, c in manifests[s].chunks()} for s in STEPS}
         m = CheckpointManager(root, options=opts)
         files = {s: chunk_files(m, s) for s in STEPS}

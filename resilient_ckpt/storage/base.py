@@ -1,25 +1,53 @@
-"""The storage interface every tier backend implements.
+"""The storage interface every tier backend implements, and what it promises.
 
 Keys are '/'-separated names relative to the tier's root ("<step dir>/<object>").
-Methods block and are safe to call from many threads at once; the callers
-(commit, restore) bring the concurrency. Kept small on purpose: put,
-put-if-absent (the commit primitive), ranged get, size, list, delete.
+Kept small on purpose: put, put-if-absent (the commit primitive), ranged get,
+size, list, delete, plus hooks with do-nothing defaults. What a backend can do
+beyond that is said by capability flags (`shared`, `remote`, `zero_copy`, ...),
+never by its `kind`, which is only a name for records and messages.
+
+Call order a backend can rely on (commit.py and restore.py keep it):
+
+- A step is written as: `begin_write(d)`, then `put` / `put_stream` of its
+  chunks under `d/` (many at once, from several threads), then `flush(d)`,
+  then `put_if_absent(d/<manifest>)` (the commit), then `end_write(d)`, which
+  also follows a failure anywhere after `begin_write`.
+- A step is deleted as: `delete` of each manifest first, `flush(d)`, then
+  `delete_dir(d)`; so a crash part-way never leaves a step that looks committed.
+- Reads (`read`, `read_into`, `map`, `place`, `size`, `list`) come from many
+  threads at once, also while other steps are being written or deleted.
+
+Every method blocks, and is safe to call from many threads at once: callers
+bring the concurrency. "Atomic" for `put` means a reader sees the old object
+whole or the new one whole, never a mix or a prefix, and a failed put leaves
+the old object (or none) in place. Failures leave as the project's
+StorageError (an OSError) naming the object's full path.
 """
 from __future__ import annotations
 
 import abc
+import errno
 
 import numpy as np
 
 
 class Storage(abc.ABC):
-    kind: str  # "ram", "local", "gcs": also the name used in records
-    url: str
+    kind: str  # "ram", "local", "gcs": a name used in records, not a capability
+    url: str   # where the tier lives (a directory or gs://bucket/prefix), for messages
     # Seen by every host of a job (GCS): cleanup and retention run on process 0 only.
     shared: bool = False
     # Listing a step costs requests here, so selection takes chunk sizes from the
     # manifests and leaves presence and size to be checked when a chunk is read.
     sizes_from_manifest: bool = False
+    # `map`/`place` give copy-on-write views of objects, without a copy (the RAM
+    # tier on tmpfs); elsewhere they return None/False and bytes are read.
+    zero_copy: bool = False
+    # A slow durable store (GCS): steps reach it as uploads of a faster tier's
+    # committed copy, and a restore does not wait for its uploads.
+    remote: bool = False
+    # `put_if_absent` is an atomic create-only write: of two writers racing for
+    # one key, exactly one succeeds.
+    create_only_commit: bool = True
     # Chunks larger than this are written as a stream, this many bytes at a time.
     piece_bytes: int = 8 << 20
 
@@ -33,7 +61,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
-        """Fills `out` with bytes [offset, offset + len(out)) of `key`."""
+        """Fills `out` with bytes [offset, offset + len(out)) of `key`; an object
+        that is missing or shorter raises StorageError."""
 
     def put_stream(self, key: str, opener, size: int | None) -> None:
         """Writes what `opener()` (a fresh readable stream per call) yields, as
@@ -43,24 +72,25 @@ class Storage(abc.ABC):
         self.put(key, memoryview(data))
 
     def read(self, key: str) -> bytes:
+        """The whole object; StorageError if it does not exist."""
         n = self.size(key)
         if n is None:
             from ..errors import StorageError
-            raise StorageError(f"{self.url}/{key}: no such object")
+            raise StorageError(errno.ENOENT, f"{self.url}/{key}: no such object")
         buf = bytearray(n)
         self.read_into(key, memoryview(buf))
         return bytes(buf)
 
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
         """A zero-copy uint8 view of the object, where the backend can give one
-        that later writes and deletes never change and whose own writes never
-        reach storage (copy-on-write); else None."""
+        (`zero_copy`) that later writes and deletes never change and whose own
+        writes never reach storage (copy-on-write); else None."""
         return None
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
         """Maps object bytes into a hostmem.Region (copy-on-write, zero-copy)
-        where the backend can; False where it cannot."""
+        where the backend can (`zero_copy`); False where it cannot."""
         return False
 
     @abc.abstractmethod
@@ -68,13 +98,10 @@ class Storage(abc.ABC):
         """Byte size of an object, or None if it does not exist."""
 
     @abc.abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
-        """Names directly under `prefix` (a directory or '' for the root)."""
-
-    def list_manifests(self, prefix: str) -> list[str]:
-        """The manifest names in a step directory (backends may list only those)."""
-        from ..layout import parse_manifest_name
-        return [n for n in self.list(prefix) if parse_manifest_name(n)]
+    def list(self, prefix: str = "", starts_with: str = "") -> list[str]:
+        """Names directly under `prefix` (a directory, or '' for the root) that
+        start with `starts_with`: objects and sub-directories alike, in no
+        particular order; [] when there is nothing under `prefix`."""
 
     def object_ages(self, prefix: str) -> dict[str, float] | None:
         """Seconds since each object under `prefix` was written, where the backend
@@ -103,4 +130,5 @@ class Storage(abc.ABC):
         """Drops the mark of `begin_write` (after the commit, or a failure)."""
 
     def close(self) -> None:
-        """Releases connections and threads (the manager calls it at close)."""
+        """Releases connections and threads (the manager calls it at close);
+        calling it again does nothing."""

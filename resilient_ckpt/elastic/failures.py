@@ -1,4 +1,4 @@
-"""What a failure is, and which devices still work.
+"""The failure classifier: what a failure is, and which devices still work.
 
 This module owns the two questions the elastic loop asks first:
 `is_recoverable(exc)`: does this exception mean lost devices or hosts (go on
@@ -103,6 +103,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------ health
+
+# health_check(devices, timeout_s) -> the healthy ones.
+HealthFn = Callable[[Collection[jax.Device], float], Collection]
 
 def _plus_one(x):
     return x + 1

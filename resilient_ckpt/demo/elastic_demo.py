@@ -14,33 +14,28 @@ It ends with the recovery timeline and the loss before and after both events.
 """
 from __future__ import annotations
 
-import os
-
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-
-import argparse
 import functools
 import logging
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
-from .demo import model_on
-from .elastic import Elastic, format_timeline
-from .manager import CheckpointManager, CheckpointManagerOptions
-from .testing.faults import DeviceFault, FaultInjector
-from .tiers import LocalTier, RamTier
+from ..elastic import Elastic, format_timeline
+from ..manager import CheckpointManager, CheckpointManagerOptions
+from ..testing.faults import DeviceFault, FaultInjector
+from ..tiers import LocalTier, RamTier
+from .model import demo_mesh, model_on
+from .options import add_run_args, parser
 
 BATCH = 64   # global batch; divides every data-axis size the mesh can shrink to
 
 
 def build(mesh, mb: float):
     """(compiled step(state) -> (state, loss), abstract state on `mesh`, init)
-    for a state of ~mb MiB: the crash demo's model (`demo.model_on`). The step
+    for a state of ~mb MiB: the crash demo's model (`model.model_on`). The step
     is compiled here, ahead of time, so that `Elastic` can build it for a
     likely mesh before it is needed. The batch of each step is a function of
     the step count, so a replayed step sees the same data."""
@@ -53,15 +48,7 @@ def build(mesh, mb: float):
 
 
 def run(a) -> int:
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    devices = jax.devices("cpu")
-    if len(devices) < 8:
-        sys.exit(f"the demo needs 8 CPU devices, got {len(devices)}; "
-                 f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
-    mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    mesh = demo_mesh()
     mngr = CheckpointManager(a.dir, options=CheckpointManagerOptions(
         tiers=[RamTier(every=a.ram_every, keep=2), LocalTier(every=a.local_every, keep=2)]))
     if mngr.all_steps():
@@ -129,14 +116,10 @@ def report(a, el: Elastic, losses: dict[int, float], wall_s: float) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m resilient_ckpt.demo --elastic",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one, "
-                                 "removed at the end with its RAM tier)")
-    p.add_argument("--mb", type=float, default=160, help="state size in MiB (default 160)")
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+def main(argv: list[str]) -> int:
+    """The elastic demo (the arguments after `--elastic`)."""
+    p = parser("python -m resilient_ckpt.demo --elastic", __doc__)
+    add_run_args(p, mb=160, steps=60)
     p.add_argument("--fail-at", type=int, default=20,
                    help="the step at which devices 4-7 fail (default 20)")
     p.add_argument("--repair-at", type=int, default=35,
@@ -163,7 +146,3 @@ def main(argv: list[str] | None = None) -> int:
         if own:
             shutil.rmtree(a.dir, ignore_errors=True)
             shutil.rmtree(ram_root, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,16 +30,9 @@ it and the RAM tier's directory.
 """
 from __future__ import annotations
 
-import os
-
-# Eight host devices. XLA reads this when the backend starts (first device use),
-# so setting it here, after the package has imported jax, is still in time.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
-
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -47,96 +40,24 @@ import subprocess
 import sys
 import tempfile
 import time
-
 import uuid
 
-from .manager import CheckpointManager, CheckpointManagerOptions
-from .tiers import GcsTier, LocalTier, RamTier
+from ..manager import CheckpointManager, CheckpointManagerOptions
+from ..tiers import GcsTier, LocalTier, RamTier
+from .model import demo_mesh, model_on
+from .options import add_run_args, parser
 
-TIERS = [RamTier(every=2, keep=2), LocalTier(every=10, keep=2)]
+TIERS = (RamTier(every=2, keep=2), LocalTier(every=10, keep=2))
 GCS_EVERY, GCS_KEEP = 10, 2
 DEMO_BUCKET = "resilient-ckpt-demo"
-D = 256          # input and output width of the MLP
 BATCH = 256
-LR = 1e-3
-
-
-# ------------------------------------------------------------------ the model
-
-def hidden_width(mb: float) -> int:
-    """Hidden width giving a state (params + two Adam moments, f32) of ~mb MiB."""
-    n = mb * 2**20 / 12  # parameters: 3 copies of 4 bytes each
-    h = -D + (D * D + n) ** 0.5  # h*h + 2*D*h = n
-    return max(16, int(h) // 16 * 16)
 
 
 def build(mb: float):
     """(mesh, state shardings, init fn, jitted train step) for a state of ~mb MiB."""
-    import jax
-    from jax.sharding import Mesh
-
-    devices = jax.devices("cpu")
-    if len(devices) < 8:
-        sys.exit(f"the demo needs 8 CPU devices, got {len(devices)}; "
-                 f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
-    import numpy as np
-    mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    mesh = demo_mesh()
     shardings, init_fn, train_step = model_on(mesh, mb, BATCH)
     return mesh, shardings, init_fn, train_step
-
-
-def model_on(mesh, mb: float, batch_size: int):
-    """(state shardings, jitted init, jitted train step) of the demo's MLP with
-    hand-written Adam on `mesh`, for a state of ~mb MiB; the elastic demo uses
-    it too. The step donates the state."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    h = hidden_width(mb)
-    shapes = {"w1": (D, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, D), "b3": (D,)}
-    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None),
-             "b2": P(), "w3": P(None, "model"), "b3": P("model")}
-    ns = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-    shardings = {"params": ns, "m": ns, "v": ns, "count": NamedSharding(mesh, P())}
-
-    def init():
-        keys = dict(zip(shapes, jax.random.split(jax.random.key(0), len(shapes))))
-        params = {k: (jax.random.normal(keys[k], s) / s[0] ** 0.5 if len(s) == 2
-                      else jnp.zeros(s)) for k, s in shapes.items()}
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return {"params": params, "m": zeros, "v": zeros,
-                "count": jnp.zeros((), jnp.int32)}
-
-    def batch(count):
-        """The batch of step count+1: a function of the step, so a replay matches."""
-        kx = jax.random.fold_in(jax.random.key(1), count)
-        x = jax.random.normal(kx, (batch_size, D))
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None)))
-        teacher = jax.random.normal(jax.random.key(2), (D, D)) / D ** 0.5
-        return x, jnp.tanh(x @ teacher)
-
-    def loss_fn(p, x, y):
-        z = jax.nn.gelu(x @ p["w1"] + p["b1"])
-        z = jax.nn.gelu(z @ p["w2"] + p["b2"])
-        return jnp.mean((z @ p["w3"] + p["b3"] - y) ** 2)
-
-    def step(state):
-        x, y = batch(state["count"])
-        loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
-        t = state["count"] + 1
-        b1, b2 = 0.9, 0.999
-        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], g)
-        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], g)
-        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-        params = jax.tree.map(lambda p, m, v: p - LR * (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
-                              state["params"], m, v)
-        return {"params": params, "m": m, "v": v, "count": t}, loss
-
-    init_fn = jax.jit(init, out_shardings=shardings)
-    train_step = jax.jit(step, donate_argnums=0,
-                         out_shardings=(shardings, NamedSharding(mesh, P())))
-    return shardings, init_fn, train_step
 
 
 # ------------------------------------------------------------------ the children
@@ -327,7 +248,7 @@ def start_gcs(a):
     if a.gcs:
         a.gcs = f"{a.gcs.rstrip('/')}/{run}"
         return None
-    from .testing.fake_gcs import FakeGcs
+    from ..testing.fake_gcs import FakeGcs
     try:
         server = FakeGcs().start()
     except FileNotFoundError as e:
@@ -341,7 +262,7 @@ def start_gcs(a):
 
 def remove_gcs_run(a) -> None:
     """Deletes what this run wrote to a real bucket."""
-    from .storage.gcs import GcsStorage
+    from ..storage.gcs import GcsStorage
     st = GcsStorage(a.gcs)
     for name in st.list(""):
         st.delete_dir(name)
@@ -382,17 +303,11 @@ def parent(a) -> int:
             shutil.rmtree(ram_root, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--elastic" in argv:  # the in-process recovery demo: resilient_ckpt/demo_elastic.py
-        from . import demo_elastic
-        return demo_elastic.main([x for x in argv if x != "--elastic"])
-    p = argparse.ArgumentParser(prog="python -m resilient_ckpt.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one, "
-                                 "removed at the end with its RAM tier)")
-    p.add_argument("--mb", type=float, default=32, help="state size in MiB (default 32)")
-    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+
+def main(argv: list[str]) -> int:
+    """The crash-and-resume demo, or one of its children (`--phase`)."""
+    p = parser("python -m resilient_ckpt.demo", __doc__)
+    add_run_args(p, mb=32, steps=40)
     p.add_argument("--crash-at", type=int, default=27,
                    help="the step after which training is killed (default 27)")
     p.add_argument("--gcs", metavar="gs://BUCKET/PREFIX",
@@ -412,7 +327,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         return parent(a)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The catalog: what each tier holds, and which steps are viable, as this
+process knows it.
+
+It keeps one view per tier (step -> `TierStep`, from `commit.observe` at open
+and on `reload`, then updated after each of this process's own commits and
+deletes), the (tier, chunk) copies known to fail their checksums, the steps
+Orbax itself wrote in the manager's directory, the metrics of steps still in
+flight, and a cache of `selection.viable` over all of it. Retention's choice of
+what a tier may delete is made here, from the same views.
+
+Locking, in one place: a single lock guards every field above. It is held only
+for reads and updates of those fields and for the pure selection over them,
+never across storage I/O (`reload` lists the tiers first, then swaps the views
+in), and nothing is called out of the catalog while it is held, so callers may
+hold locks of their own when they call in (the save machinery does).
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Iterable, Sequence
+
+import jax
+
+from . import commit, legacy, retention, selection
+from .layout import StepNaming
+from .manifest import Manifest
+from .options import Retention
+from .storage.base import Storage
+
+
+class Catalog:
+    """Tier views, bad copies and Orbax steps; `viable()` merges them."""
+
+    def __init__(self, tiers: Sequence[tuple[str, Storage]], naming: StepNaming,
+                 directory: str, home: Storage | None):
+        self._tiers = list(tiers)  # (name, storage), fastest first
+        self._naming, self._directory, self._home = naming, directory, home
+        self._lock = threading.Lock()
+        self._views: dict[str, dict[int, selection.TierStep]] = {}
+        self._orbax: set[int] = set()
+        self._bad: set[tuple[str, str]] = set()
+        self._cache: dict[int, selection.Choice] | None = None
+        self._in_flight: dict[int, tuple[float, Any]] = {}  # step -> (created, metrics)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self._tiers]
+
+    def storages(self) -> dict[str, Storage]:
+        return dict(self._tiers)
+
+    @property
+    def home(self) -> Storage | None:
+        """The local tier at the manager's directory, where Orbax steps may be."""
+        return self._home
+
+    # ------------------------------------------------------------ reading tiers
+
+    def reload(self) -> None:
+        """Re-reads every tier (steps written by other processes appear)."""
+        views = {n: commit.observe(st, n, self._naming) for n, st in self._tiers}
+        orbax = legacy.orbax_steps(self._home, self._naming) if self._home else set()
+        with self._lock:
+            self._views = views
+            self._orbax = orbax - {s for v in views.values() for s in v}
+            self._cache = None
+
+    def committed(self, tier: str, storage: Storage, m: Manifest) -> None:
+        """Updates `tier`'s view with a manifest this process just committed."""
+        if storage.sizes_from_manifest and not (storage.shared and m.process_count > 1
+                                                and jax.process_index() == 0):
+            # Our own manifest is all we need to know: reading every process's
+            # back after every upload would cost hosts x hosts requests per step.
+            with self._lock:
+                old = self._views.get(tier, {}).get(m.step)
+            others = tuple(x for x in (old.manifests if old else ())
+                           if not (getattr(x, "process_index", None) == m.process_index
+                                   and getattr(x, "save_id", None) == m.save_id))
+            ts = commit.tier_step(tier, others + (m,))
+        else:  # process 0 of a shared tier reads them all: it runs retention there
+            ts = commit.observe_step(storage, tier, self._naming, m.step)
+        with self._lock:
+            if ts is not None:
+                self._views.setdefault(tier, {})[m.step] = ts
+            self._cache = None
+
+    def delete(self, tier: str, storage: Storage, step: int) -> None:
+        """Forgets `step` in `tier` and deletes it there (on a shared tier only
+        process 0 deletes; the others only forget it)."""
+        with self._lock:
+            self._views.get(tier, {}).pop(step, None)
+            self._cache = None
+        if storage.shared and jax.process_index() != 0:
+            return
+        commit.delete_step(storage, self._naming, step)
+
+    def add_bad(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """(tier, chunk key) copies that failed a read: never selected again."""
+        with self._lock:
+            new = set(pairs) - self._bad
+            if new:
+                self._bad |= new
+                self._cache = None
+
+    def bad(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return set(self._bad)
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._cache = None
+
+    # ------------------------------------------------------------ what is viable
+
+    def _observations(self) -> dict[int, list[selection.TierStep]]:
+        merged: dict[int, list[selection.TierStep]] = collections.defaultdict(list)
+        for name, _ in self._tiers:
+            for step, ts in self._views.get(name, {}).items():
+                merged[step].append(ts)
+        return merged
+
+    def viable(self) -> dict[int, selection.Choice]:
+        """Every viable step of ours, with where to read each chunk (cached)."""
+        with self._lock:
+            if self._cache is None:
+                self._cache = selection.viable(self._observations(), self.names,
+                                               frozenset(self._bad))
+            return self._cache
+
+    def viable_if_intact(self) -> dict[int, selection.Choice]:
+        """What would be viable if no copy had failed its checksum."""
+        with self._lock:
+            return selection.viable(self._observations(), self.names)
+
+    def view(self, tier: str) -> dict[int, selection.TierStep]:
+        with self._lock:
+            return dict(self._views.get(tier, {}))
+
+    def orbax_steps(self) -> set[int]:
+        """Steps Orbax wrote in the directory (read-only to us)."""
+        with self._lock:
+            return set(self._orbax)
+
+    def delete_orbax(self, step: int) -> None:
+        """Deletes a step Orbax wrote (they are only ever found in the home tier)."""
+        assert self._home is not None
+        self._home.delete_dir(self._naming.name(step))
+        with self._lock:
+            self._orbax.discard(step)
+
+    # ------------------------------------------------------------ metrics
+
+    def note_in_flight(self, step: int, created: float, metrics: Any) -> None:
+        with self._lock:
+            self._in_flight[step] = (created, metrics)
+
+    def forget_in_flight(self, step: int) -> None:
+        with self._lock:
+            self._in_flight.pop(step, None)
+
+    def metrics_of(self, step: int) -> Any:
+        if step in self.orbax_steps():
+            return legacy.metrics(self._directory, self._naming, step)
+        c = self.viable().get(step)
+        if c is not None:
+            return c.manifest.metrics
+        with self._lock:
+            return self._in_flight.get(step, (0.0, None))[1]
+
+    # ------------------------------------------------------------ retention
+
+    def doomed(self, tier: str, keep: int | None, rule: Retention,
+               pinned: frozenset[int]) -> list[int]:
+        """The steps `tier` should delete now under `rule` and its `keep`."""
+        with self._lock:
+            own = dict(self._views.get(tier, {}))
+            bad = frozenset(self._bad)
+        viable = self.viable()
+        # Only restorable steps take retention slots: a damaged step (bad manifest,
+        # missing chunk) must not push a good older step out; it is left alone.
+        steps = [s for s in sorted(own) if s in viable]
+        # Kept besides: the newest step restorable at all, the newest restorable
+        # from this tier alone (so GCS never loses its last complete step to one
+        # that only the RAM tier can complete), and steps an upload is reading.
+        alone = selection.viable({s: [ts] for s, ts in own.items()}, [tier], bad)
+        protected = frozenset(({max(viable)} if viable else set()) | set(pinned)
+                              | ({max(alone)} if alone else set()))
+        metrics = {s: c.manifest.metrics for s, c in viable.items()}
+        return retention.to_delete(
+            steps, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
+            best_mode=rule.best_mode, metrics=metrics,
+            keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected)

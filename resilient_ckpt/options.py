@@ -1,0 +1,143 @@
+"""The manager's options, and the one place they are resolved into a plan.
+
+`CheckpointManagerOptions` carries Orbax's common fields plus ours (tiers,
+memory budgets). `resolve` is a pure function that turns them, once, into the
+`Plan` the rest of the code reads: the tiers fastest first, each with its own
+name, interval, retention and encoding, the step naming, and the retention
+rule. Nothing else re-reads overlapping option fields.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Container, Literal, Union
+
+from .layout import StepNaming
+from .tiers import GcsTier, LocalTier, RamTier
+from .transfer import Encoding
+
+BestMode = Literal["min", "max"]
+OverBudget = Literal["wait", "skip"]
+TierConfig = Union[RamTier, LocalTier, GcsTier]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointManagerOptions:
+    """Orbax's common options, plus `tiers` and the host-memory budget.
+
+    With no `tiers`, the directory is one local tier (one GCS tier for a gs://
+    directory) saving every `save_interval_steps` and keeping `max_to_keep`,
+    exactly as in Orbax. `progress`: show a progress bar (tqdm, on stderr) while
+    restoring.
+    `host_memory_budget`: bytes of snapshots in flight (default: two states);
+    when a save would exceed it, `over_budget="wait"` blocks until an older
+    snapshot is written; `"skip"` first cancels the queued, not yet started
+    writes of older steps (the newer step supersedes them; recorded in their
+    SaveRecord), and waits only if that frees too little.
+    """
+
+    save_interval_steps: int = 1
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    best_fn: Callable[[Any], float] | None = None
+    best_mode: BestMode = "max"
+    keep_checkpoints_without_metrics: bool = True
+    step_prefix: str | None = None
+    step_format_fixed_length: int | None = None
+    create: bool = True
+    cleanup_tmp_directories: bool = True
+    save_on_steps: Container[int] | None = None
+    should_save_fn: Callable[[int, int | None], bool] | None = None
+    read_only: bool = False
+    enable_async_checkpointing: bool = True
+    tiers: tuple[TierConfig, ...] = ()
+    host_memory_budget: int | None = None
+    over_budget: OverBudget = "wait"
+    io_threads: int = 8
+    restore_memory_budget: int = 256 * 1024 * 1024
+    progress: bool = False
+
+    def __post_init__(self):
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.max_to_keep is not None and self.max_to_keep < 0:
+            raise ValueError("max_to_keep must be None or non-negative")
+        if self.over_budget not in ("wait", "skip"):
+            raise ValueError(f"over_budget must be 'wait' or 'skip', got {self.over_budget!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+
+    @staticmethod
+    def from_any(options: Any) -> "CheckpointManagerOptions":
+        """Ours as given, or Orbax's CheckpointManagerOptions field by field."""
+        if options is None:
+            return CheckpointManagerOptions()
+        if isinstance(options, CheckpointManagerOptions):
+            return options
+        names = {f.name for f in dataclasses.fields(CheckpointManagerOptions)}
+        kw = {n: getattr(options, n) for n in names if hasattr(options, n)}
+        pp = getattr(options, "preservation_policy", None)
+        if pp is not None and type(pp).__name__ == "LatestN":
+            kw["max_to_keep"] = pp.n
+        return CheckpointManagerOptions(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """Orbax's preservation rule, applied to every tier with that tier's `keep`."""
+
+    keep_period: int | None = None
+    best_fn: Callable[[Any], float] | None = None
+    best_mode: BestMode = "max"
+    keep_without_metrics: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPlan:
+    """One tier as the manager runs it."""
+
+    name: str  # "ram", "local", "gcs" (then "local1", ... for a second one)
+    config: TierConfig
+    every: int  # save interval in steps (0: only when forced or first)
+    keep: int | None  # steps kept (None: all)
+    encoding: Encoding
+    own_io: int | None  # threads of a pool of its own (GCS), or None: the shared pool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the manager needs from its options, resolved once."""
+
+    directory: str
+    tiers: tuple[TierPlan, ...]  # fastest first
+    naming: StepNaming
+    retention: Retention
+    writable: bool  # neither read-only nor asked not to create
+
+
+def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
+    """The plan for `options` at `directory` (a path or a gs:// URL).
+
+    No `tiers`: one tier at the directory (GCS for gs://, else local disk).
+    Tiers sort fastest first (by their `rank`); a tier's None `every` / `keep`
+    take `save_interval_steps` / `max_to_keep` (a RAM tier's `keep` is its own:
+    None there means "keep all" on purpose).
+    """
+    o = options
+    remote = directory.startswith("gs://")
+    configs = sorted(o.tiers or (GcsTier() if remote else LocalTier(),),
+                     key=lambda t: t.rank)
+    tiers, seen = [], collections.Counter()
+    for t in configs:
+        name = t.kind if not seen[t.kind] else f"{t.kind}{seen[t.kind]}"
+        seen[t.kind] += 1
+        every = t.every if t.every is not None else o.save_interval_steps
+        keep = t.keep if (t.keep is not None or isinstance(t, RamTier)) else o.max_to_keep
+        gcs = isinstance(t, GcsTier)
+        tiers.append(TierPlan(name, t, every, keep,
+                              Encoding(t.codec, t.level) if gcs else Encoding(),
+                              t.concurrency if gcs else None))
+    return Plan(directory, tuple(tiers),
+                StepNaming(o.step_prefix, o.step_format_fixed_length),
+                Retention(o.keep_period, o.best_fn, o.best_mode,
+                          o.keep_checkpoints_without_metrics),
+                writable=o.create and not o.read_only)

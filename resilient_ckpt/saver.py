@@ -1,0 +1,449 @@
+"""The save machinery: host snapshots in flight, tier workers, upload pins,
+the host-memory budget and background errors.
+
+`Saver.start` reserves budget, takes the snapshot (the only part the training
+loop waits for) and queues one job per due tier on that tier's own worker
+thread, so one tier writes one step at a time, in order, and a slow disk never
+delays the RAM tier. A remote tier (GCS) waits for a faster tier to commit the
+step and uploads that tier's copy, the step pinned against the faster tier's
+retention meanwhile, so the snapshot is freed at local speed and the devices
+are read once. After each commit the tier's retention runs (the catalog says
+what may go). A failure becomes a `SaveFailedError` that `raise_errors` hands
+to the training thread once.
+
+Locking: one Condition guards the budget, the jobs in flight, the flights and
+the pins; it may be held while calling into the catalog (whose own lock is
+never held across a call out), and is never held across storage I/O.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import jax
+
+from . import commit, metadata, snapshot
+from .catalog import Catalog
+from .commit import TierWrite
+from .errors import SaveFailedError, StepNotFoundError
+from .options import Plan, TierPlan
+from .storage.base import Storage
+
+log = logging.getLogger("resilient_ckpt")
+
+
+@dataclasses.dataclass
+class SaveRecord:
+    """What one save did: blocking time, bytes, and each tier's outcome."""
+
+    step: int
+    blocking_s: float = 0.0
+    snapshot_s: float = 0.0
+    waited_s: float = 0.0
+    bytes: int = 0
+    tiers: dict[str, TierWrite] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Tier:
+    """A tier at run time: its plan, its storage, its worker and its I/O pool."""
+
+    plan: TierPlan
+    storage: Storage
+    worker: cf.ThreadPoolExecutor
+    io: cf.Executor  # chunk puts: the shared pool, or a remote tier's own
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A snapshot on its way to its tiers; its memory is freed when no tier
+    holds it any more (an upload lets go once it can read a tier's copy)."""
+
+    snap: snapshot.Snapshot
+    need: int
+    rec: SaveRecord
+    holders: set[str]
+    header: dict
+    pins: dict[str, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+
+
+class InFlight:
+    """Snapshots in flight, their tier jobs, upload pins and the memory budget.
+
+    Everything here is guarded by one Condition; `Saver` calls in from the
+    training thread and from tier workers.
+    """
+
+    def __init__(self, catalog: Catalog, budget: int | None, over_budget: str):
+        self._catalog, self._budget, self._over_budget = catalog, budget, over_budget
+        self._pool = snapshot.HostPool()
+        self._lock = threading.Condition()
+        self._held = 0
+        self._pending: dict[int, dict[str, cf.Future]] = {}
+        self._flights: dict[int, _Flight] = {}
+        self._pins: collections.Counter = collections.Counter()  # (tier, step) -> uploads
+        self.unpinned: Callable[[str], None] = lambda tier: None  # a pin on `tier` ended
+
+    @property
+    def pool(self) -> snapshot.HostPool:
+        return self._pool
+
+    def reserve(self, need: int, rec: SaveRecord) -> None:
+        """Holds `need` bytes of the host-memory budget. Over budget, "wait"
+        blocks until older snapshots are written; "skip" first drops the queued
+        (not started) writes of older steps that this newer step supersedes."""
+        budget = self._budget or 2 * need
+        t0 = time.perf_counter()
+        with self._lock:
+            while self._held and self._held + need > budget:
+                if self._over_budget == "skip" and self._shed(rec.step):
+                    continue
+                self._lock.wait()
+            self._held += need
+        rec.waited_s = time.perf_counter() - t0
+
+    def unreserve(self, need: int) -> None:
+        with self._lock:
+            self._held -= need
+            self._lock.notify_all()
+
+    def launch(self, flight: _Flight, tiers: list[Tier], feeds: dict[str, list[str]],
+               write: Callable, upload: Callable) -> None:
+        """Queues `flight`'s job on each tier's worker, faster tiers first
+        (uploads wait on their futures)."""
+        step = flight.snap.step
+        with self._lock:
+            jobs = self._pending.setdefault(step, {})
+            self._flights[step] = flight
+            for t in tiers:
+                if feeds.get(t.name):
+                    self._supersede_uploads(t, step)
+                    flight.pins[t.name] = [(n, step) for n in feeds[t.name]]
+                    self._pins.update(flight.pins[t.name])
+                    jobs[t.name] = t.worker.submit(upload, t, flight,
+                                                   [(n, jobs[n]) for n in feeds[t.name]])
+                else:
+                    jobs[t.name] = t.worker.submit(write, t, flight)
+
+    def _supersede_uploads(self, t: Tier, step: int) -> None:
+        """Drops uploads to `t` still queued behind a running one: only the
+        newest step needs to reach a remote tier, and each queued upload pins
+        its source step in the faster tier. Holds the lock."""
+        for old in sorted(self._pending):
+            fut = self._pending[old].get(t.name)
+            if old != step and fut is not None and fut.cancel():
+                flight = self._flights[old]
+                flight.rec.tiers[t.name] = TierWrite.skip(
+                    t.name, old, f"superseded by step {step} (the {t.name} tier was "
+                    "still uploading)")
+                log.warning("step %d not uploaded to the %s tier: superseded by step %d, "
+                            "the tier is still busy with an earlier step", old, t.name, step)
+                self._job_done(t.name, flight)
+
+    def _shed(self, newer: int) -> bool:
+        """Cancels the oldest queued tier write; True if one was. Holds the lock."""
+        busy = {name for jobs in self._pending.values()
+                for name, fut in jobs.items() if fut.running()}
+        for step in sorted(self._pending):
+            flight = self._flights[step]
+            for name, fut in list(self._pending[step].items()):
+                # queued behind a slow write, and holding memory that cancelling frees
+                if name in busy and name in flight.holders and fut.cancel():
+                    flight.rec.tiers[name] = TierWrite.skip(
+                        name, step, f"superseded by step {newer} (host-memory budget)")
+                    log.warning("step %d not written to the %s tier: superseded by step %d "
+                                "under the host-memory budget", step, name, newer)
+                    self._job_done(name, flight)
+                    return True
+        return False
+
+    def done(self, name: str, flight: _Flight) -> None:
+        """Tier `name` is done with `flight` (committed, failed or cancelled)."""
+        with self._lock:
+            self._job_done(name, flight)
+
+    def _job_done(self, name: str, flight: _Flight) -> None:
+        """Bookkeeping when one tier is done with a step. Holds the lock."""
+        step = flight.snap.step
+        jobs = self._pending.get(step, {})
+        jobs.pop(name, None)
+        if not jobs:
+            self._pending.pop(step, None)
+            self._flights.pop(step, None)
+        self._catalog.invalidate()
+        self._release(name, flight)
+        if _ok(flight.rec, name):
+            # An upload waiting for this tier's copy no longer needs the snapshot.
+            for up, pins in flight.pins.items():
+                if (name, step) in pins:
+                    self._release(up, flight)
+        for pin in flight.pins.pop(name, ()):
+            self._pins[pin] -= 1
+            if self._pins[pin] <= 0:
+                del self._pins[pin]
+                self.unpinned(pin[0])
+
+    def release(self, name: str, flight: _Flight) -> None:
+        with self._lock:
+            self._release(name, flight)
+
+    def _release(self, name: str, flight: _Flight) -> None:
+        """`name` no longer needs the snapshot; the last one frees it. Holds the lock."""
+        if name not in flight.holders:
+            return
+        flight.holders.discard(name)
+        if not flight.holders:
+            if flight.snap.slab is not None:
+                self._pool.give(flight.snap.slab)
+            self._held -= flight.need
+            self._lock.notify_all()
+
+    def pinned(self, tier: str) -> frozenset[int]:
+        """Steps of `tier` that an upload is reading."""
+        with self._lock:
+            return frozenset(s for (n, s) in self._pins if n == tier)
+
+    def pending(self) -> set[int]:
+        with self._lock:
+            return set(self._pending)
+
+    def jobs(self, step: int) -> dict[str, cf.Future]:
+        """`step`'s queued or running jobs, by tier."""
+        with self._lock:
+            return dict(self._pending.get(step, {}))
+
+    def all_jobs(self) -> list[cf.Future]:
+        with self._lock:
+            return [f for jobs in self._pending.values() for f in jobs.values()]
+
+
+class Saver:
+    """Runs saves in the background, tier by tier, within a memory budget."""
+
+    def __init__(self, plan: Plan, storages: dict[str, Storage], catalog: Catalog,
+                 io_threads: int, budget: int | None, over_budget: str):
+        self._plan, self._catalog = plan, catalog
+        self._io = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="rc-io")
+        self.tiers = [Tier(p, storages[p.name],
+                           cf.ThreadPoolExecutor(1, thread_name_prefix=f"rc-{p.name}"),
+                           cf.ThreadPoolExecutor(p.own_io, thread_name_prefix=f"rc-{p.name}-io")
+                           if p.own_io else self._io) for p in plan.tiers]
+        self._copy = cf.ThreadPoolExecutor(2, thread_name_prefix="rc-copy")
+        self._flying = InFlight(catalog, budget, over_budget)
+        self._flying.unpinned = self._unpinned
+        self._errors: list[BaseException] = []
+        self._errors_lock = threading.Lock()
+
+    def tier(self, name: str) -> Tier:
+        return next(t for t in self.tiers if t.name == name)
+
+    # ------------------------------------------------------------ starting a save
+
+    def start(self, step: int, due: list[Tier], items: list, metrics: Any,
+              custom_metadata: Any) -> SaveRecord:
+        """Snapshots `items` and queues the writes to the `due` tiers."""
+        tiers, feeds = self._route(due)
+        rec = SaveRecord(step)
+        t0 = time.perf_counter()
+        save_id = _shared_save_id()
+        records, sources = snapshot.describe_items(items, save_id, jax.process_index())
+        need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
+        self._flying.reserve(need, rec)
+        try:
+            t1 = time.perf_counter()
+            snap = snapshot.take(step, save_id, records, sources, self._flying.pool,
+                                 self._copy)
+            rec.snapshot_s = time.perf_counter() - t1
+        except BaseException:
+            self._flying.unreserve(need)
+            raise
+        rec.bytes = snap.nbytes
+        header = dict(created=time.time(), process_index=jax.process_index(),
+                      process_count=jax.process_count(), metrics=metadata.jsonable(metrics),
+                      custom_metadata=metadata.jsonable(custom_metadata))
+        self._catalog.note_in_flight(step, header["created"], header["metrics"])
+        flight = _Flight(snap, need, rec, {t.name for t in tiers}, header)
+        self._flying.launch(flight, tiers, feeds, self._write, self._upload)
+        rec.blocking_s = time.perf_counter() - t0
+        return rec
+
+    def _route(self, due: list[Tier]) -> tuple[list[Tier], dict[str, list[str]]]:
+        """The tiers to write, fastest first, and per remote tier the faster due
+        tiers it uploads from. A step due on a remote tier alone also goes to the
+        fastest tier, to upload from: the devices are read once, into the snapshot."""
+        fast = [t for t in due if not t.storage.remote]
+        remote = [t for t in due if t.storage.remote]
+        if remote and not fast:
+            fast = [t for t in self.tiers if not t.storage.remote][:1]
+        return fast + remote, {t.name: [f.name for f in fast] for t in remote}
+
+    def _unpinned(self, tier: str) -> None:
+        """The source tier may now delete what it kept for an upload."""
+        try:
+            src = self.tier(tier)
+            src.worker.submit(self._retention_job, src)
+        except RuntimeError:
+            pass  # closing: the next save's retention catches up
+
+    # ------------------------------------------------------------ tier jobs
+
+    def _write(self, t: Tier, flight: _Flight) -> None:
+        snap, rec = flight.snap, flight.rec
+        try:
+            rec.tiers[t.name] = commit.write_step(
+                t.storage, t.name, self._plan.naming, snap, flight.header, t.io,
+                encoding=t.plan.encoding,
+                on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
+            self._apply_retention(t)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._failed(t, snap.step, e, rec)
+        finally:
+            self._flying.done(t.name, flight)
+
+    def _upload(self, t: Tier, flight: _Flight, feeds: list) -> None:
+        """A remote tier's job: once a faster tier has committed the step, upload
+        that tier's copy; only if none did, the host snapshot."""
+        snap, rec = flight.snap, flight.rec
+        try:
+            cf.wait([fut for _, fut in feeds])
+            done = [n for n, _ in feeds if _ok(rec, n)]
+            if done:
+                self._upload_copy(t, flight, done)
+            elif all(rec.tiers.get(n) is not None and rec.tiers[n].skipped
+                     for n, _ in feeds):
+                rec.tiers[t.name] = TierWrite.skip(t.name, snap.step,
+                                                   rec.tiers[feeds[0][0]].skipped or "")
+                log.warning("step %d not uploaded to the %s tier: %s", snap.step, t.name,
+                            rec.tiers[t.name].skipped)
+                return
+            else:
+                log.warning("no faster tier committed step %d; uploading it to the %s tier "
+                            "from host memory", snap.step, t.name)
+                rec.tiers[t.name] = commit.write_step(
+                    t.storage, t.name, self._plan.naming, snap, flight.header, t.io,
+                    encoding=t.plan.encoding,
+                    on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
+            self._apply_retention(t)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread
+            self._failed(t, snap.step, e, rec)
+        finally:
+            self._flying.done(t.name, flight)
+
+    def _upload_copy(self, t: Tier, flight: _Flight, done: list[str]) -> None:
+        snap = flight.snap
+        self._flying.release(t.name, flight)
+        ts = self._catalog.view(done[0]).get(snap.step)
+        mine = [m for m in (ts.manifests if ts else ())
+                if getattr(m, "save_id", None) == snap.save_id
+                and m.process_index == jax.process_index()]
+        if not mine:
+            raise StepNotFoundError(f"step {snap.step} vanished from the {done[0]} "
+                                    "tier before its upload")
+        flight.rec.tiers[t.name] = commit.copy_step(
+            t.storage, t.name, self._plan.naming, mine[0],
+            [(n, self.tier(n).storage) for n in done], t.io, t.plan.encoding,
+            on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
+
+    def _failed(self, t: Tier, step: int, e: BaseException, rec: SaveRecord) -> None:
+        rec.tiers[t.name] = TierWrite(t.name, step, False, 0.0, 0, str(e))
+        err = SaveFailedError(f"save of step {step} to the {t.name} tier "
+                              f"({t.storage.url}) failed: {e}")
+        err.__cause__ = e
+        log.error("%s", err)
+        with self._errors_lock:
+            self._errors.append(err)
+
+    # ------------------------------------------------------------ retention
+
+    def _retention_job(self, t: Tier) -> None:
+        try:
+            self._apply_retention(t)
+        except OSError as e:
+            log.warning("retention in the %s tier (%s) failed: %s", t.name, t.storage.url, e)
+
+    def _apply_retention(self, t: Tier) -> None:
+        pinned = self._flying.pinned(t.name)
+        for s in self._catalog.doomed(t.name, t.plan.keep, self._plan.retention, pinned):
+            self._catalog.delete(t.name, t.storage, s)
+
+    # ------------------------------------------------------------ waiting and errors
+
+    def pending(self) -> set[int]:
+        """Steps with a tier write still queued or running."""
+        return self._flying.pending()
+
+    def wait_step(self, step: int, for_restore: bool = False) -> None:
+        """Waits for `step`'s tier writes; `for_restore`: only for the local
+        ones when there are any (a restore reads the fastest copy: it need not
+        wait minutes for an upload on the recovery path)."""
+        jobs = self._flying.jobs(step)
+        if for_restore:
+            fast = [f for n, f in jobs.items() if not self.tier(n).storage.remote]
+            jobs = dict(enumerate(fast)) if fast else jobs
+        cf.wait(list(jobs.values()))
+
+    def wait_for_restore(self, step: int | None, viable: Callable[[int], bool]) -> None:
+        """Waits for what a restore of `step` (None: the newest) may read: the
+        local tiers' writes, and an upload only when no faster copy is viable."""
+        if step is None:
+            for s in self.pending():
+                self.wait_step(s, for_restore=True)
+            return
+        self.wait_step(step, for_restore=True)
+        if not viable(step):
+            self.wait_step(step)
+
+    def wait_all(self) -> None:
+        while True:
+            futures = self._flying.all_jobs()
+            if not futures:
+                return
+            cf.wait(futures)
+
+    def raise_errors(self) -> None:
+        """Raises the first background failure not yet raised (logs the rest)."""
+        with self._errors_lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            if len(errors) > 1:
+                log.error("%d more background save failures: %s", len(errors) - 1,
+                          "; ".join(str(e) for e in errors[1:]))
+            raise errors[0]
+
+    def close(self) -> None:
+        """Stops the workers (after `wait_all`) and closes the storages."""
+        for t in self.tiers:
+            t.worker.shutdown(wait=True)
+        for t in self.tiers:
+            if t.io is not self._io:
+                t.io.shutdown(wait=True)
+            t.storage.close()
+        self._io.shutdown(wait=True)
+        self._copy.shutdown(wait=True)
+        self._flying.pool.clear()
+
+
+def _ok(rec: SaveRecord, tier: str) -> bool:
+    tw = rec.tiers.get(tier)
+    return tw is not None and tw.ok
+
+
+def _shared_save_id() -> str:
+    """A fresh save id, the same on every process of the job (process 0's)."""
+    sid = uuid.uuid4()
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+        raw = np.frombuffer(sid.bytes, dtype=np.uint8)
+        sid = uuid.UUID(bytes=bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))))
+    return sid.hex
