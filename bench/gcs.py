@@ -38,17 +38,28 @@ import tempfile
 import time
 import uuid
 
-from _common import (abstract_of, bench_parser, emit, emit_summary, make_mesh,
-                     parse_options, prepare, read_jsonl, same_values, size_label, trim)
+from _common import (
+    abstract_of,
+    bench_parser,
+    emit,
+    emit_summary,
+    make_mesh,
+    parse_options,
+    prepare,
+    read_jsonl,
+    same_values,
+    size_label,
+    trim,
+)
 
 prepare(devices=8)
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from _plot import plot  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from _plot import plot  # noqa: E402
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
 
 log = logging.getLogger("bench.gcs")
@@ -170,7 +181,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
         log.info("%s %s %s %s: %.2f s (%.0f MB/s)", size_label(size), dtype_name, system, case,
                  seconds, nbytes / seconds / 1e6)
     try:
-        for r in range(repeats):
+        for _ in range(repeats):
             run = uuid.uuid4().hex[:8]
             urls = {k: f"gs://{BUCKET}/{run}/{k}" for k in ("zstd", "raw", "ram", "orbax")}
             dt, stored["zstd"], _ = ours.save(urls["zstd"], state, "zstd")

@@ -71,6 +71,7 @@ def clients(endpoint: str) -> dict:
     """name -> (put(key, memoryview), get(key, out memoryview), create_only(key, bytes) -> bool)."""
     from google.api_core.exceptions import PreconditionFailed
     from google.cloud import storage
+
     from resilient_ckpt.storage.gcs import GcsStorage
 
     gcs = storage.Client().bucket(BUCKET)
@@ -149,10 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(a.repeats):
                 for name, (put, get, _) in cs.items():
                     t0 = time.perf_counter()
-                    list(ex.map(lambda i: put(f"{r}/{i}", view), range(a.objects)))
+                    list(ex.map(lambda i, put=put, r=r: put(f"{r}/{i}", view), range(a.objects)))
                     runs[(name, "write")].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    list(ex.map(lambda i: get(f"{r}/{i}", memoryview(outs[i])), range(a.objects)))
+                    list(ex.map(lambda i, get=get, r=r: get(f"{r}/{i}", memoryview(outs[i])),
+                                range(a.objects)))
                     runs[(name, "read")].append(time.perf_counter() - t0)
                     assert all(np.array_equal(o, np.frombuffer(view, np.uint8)) for o in outs), name
                     for o in outs:

@@ -48,8 +48,16 @@ import sys
 import tempfile
 import time
 
-from _common import (bench_parser, emit, emit_summary, make_mesh, parse_options, prepare,
-                     size_label, size_option)
+from _common import (
+    bench_parser,
+    emit,
+    emit_summary,
+    make_mesh,
+    parse_options,
+    prepare,
+    size_label,
+    size_option,
+)
 
 prepare(devices=8)  # jax itself is imported where used: the relaunched child times it
 
@@ -362,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     goodput_bytes = a.goodput_size or (64 if a.quick else 256) * 10**6
     own = a.workdir is None
     a.workdir = a.workdir or tempfile.mkdtemp(prefix="rc-bench-recovery-")
-    from resilient_ckpt import HealthCheck
     import jax
+
+    from resilient_ckpt import HealthCheck
     check = HealthCheck()
     check.prepare(jax.devices()[:8])
     summary: dict = {}

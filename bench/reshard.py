@@ -31,8 +31,16 @@ import sys
 import tempfile
 import time
 
-from _common import (bench_parser, emit, emit_summary, make_mesh, parse_options, prepare,
-                     proc_kb, size_label)
+from _common import (
+    bench_parser,
+    emit,
+    emit_summary,
+    make_mesh,
+    parse_options,
+    prepare,
+    proc_kb,
+    size_label,
+)
 
 prepare(devices=8)
 
@@ -41,8 +49,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions,  # noqa: E402
-                            LocalTier, RamTier)
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier  # noqa: E402
 
 log = logging.getLogger("bench.reshard")
 BENCH = "reshard"
@@ -159,7 +166,7 @@ def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
         for _, _, fn in cases:  # warm-up: page cache, compiled helpers
             measured(fn)
         runs = {(s, c): ([], []) for s, c, _ in cases}
-        for r in range(repeats):
+        for _ in range(repeats):
             for s, c, fn in cases:
                 dt, _ = measured(fn)
                 runs[(s, c)][0].append(dt)
@@ -183,7 +190,8 @@ def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
         for name in meshes:
             for tier in ("ram", "local"):
                 summary[f"{tier}_{name}_vs_same_{label}"] = round(
-                    med[("resilient_ckpt", f"{tier}_{name}")] / med[("resilient_ckpt", f"{tier}_same")], 3)
+                    med[("resilient_ckpt", f"{tier}_{name}")]
+                    / med[("resilient_ckpt", f"{tier}_same")], 3)
             summary[f"restore_ram_{name}_speedup_vs_orbax_local_{label}"] = round(
                 med[("orbax", f"local_{name}")] / med[("resilient_ckpt", f"ram_{name}")], 2)
             summary[f"restore_local_{name}_speedup_vs_orbax_local_{label}"] = round(

@@ -35,8 +35,20 @@ import sys
 import tempfile
 import time
 
-from _common import (abstract_of, bench_parser, emit, emit_summary, make_mesh, parse_options,
-                     prepare, proc_kb, read_jsonl, same_values, size_label, trim)
+from _common import (
+    abstract_of,
+    bench_parser,
+    emit,
+    emit_summary,
+    make_mesh,
+    parse_options,
+    prepare,
+    proc_kb,
+    read_jsonl,
+    same_values,
+    size_label,
+    trim,
+)
 
 prepare(devices=8)
 

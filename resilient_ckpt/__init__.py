@@ -5,12 +5,29 @@ configurations, every record and type it returns, the elastic loop, and the
 error hierarchy. Helpers for users' own tests are in `resilient_ckpt.testing`.
 """
 from .commit import TierWrite
-from .elastic import (Elastic, HealthCheck, ManagerLike, RecoveryEvent, RecoveryPolicy,
-                      format_timeline, is_recoverable, shrink_data_axis)
-from .errors import (CheckpointError, CorruptCheckpointError, ItemNotFoundError,
-                     RecoveryFailedError, SaveFailedError, StepAlreadyExistsError,
-                     StepNotFoundError, StorageError, TargetMismatchError,
-                     UnsupportedArgsError, UnsupportedFormatError)
+from .elastic import (
+    Elastic,
+    HealthCheck,
+    ManagerLike,
+    RecoveryEvent,
+    RecoveryPolicy,
+    format_timeline,
+    is_recoverable,
+    shrink_data_axis,
+)
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ItemNotFoundError,
+    RecoveryFailedError,
+    SaveFailedError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    StorageError,
+    TargetMismatchError,
+    UnsupportedArgsError,
+    UnsupportedFormatError,
+)
 from .manager import CheckpointManager
 from .metadata import RootMetadata, StepMetadata
 from .options import CheckpointManagerOptions, Plan, Retention, TierPlan

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 
@@ -77,7 +78,7 @@ class Catalog:
             others = tuple(x for x in (old.manifests if old else ())
                            if not (getattr(x, "process_index", None) == m.process_index
                                    and getattr(x, "save_id", None) == m.save_id))
-            ts = commit.tier_step(tier, others + (m,))
+            ts: selection.TierStep | None = commit.tier_step(tier, others + (m,))
         else:  # process 0 of a shared tier reads them all: it runs retention there
             ts = commit.observe_step(storage, tier, self._naming, m.step)
         with self._lock:

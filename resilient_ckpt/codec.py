@@ -41,7 +41,7 @@ def compress_stream(raw, level: int, size: int, read_size: int):
 
 def encode(codec: str, data: np.ndarray, level: int = 1) -> memoryview:
     if codec == "raw":
-        return memoryview(data)
+        return data.data
     if codec == "zstd":
         return memoryview(compress(data, level))
     raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
@@ -56,7 +56,7 @@ def decode(codec: str, stored: np.ndarray, nbytes: int, out: np.ndarray | None =
     if codec == "zstd":
         import zstandard
         try:
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=nbytes)
+            raw = zstandard.ZstdDecompressor().decompress(stored.data, max_output_size=nbytes)
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"zstd frame does not decode: {e}") from None
         if len(raw) != nbytes:

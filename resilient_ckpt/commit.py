@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -42,7 +42,7 @@ class TierWrite:
     skipped: str | None = None  # why the write never ran (superseded, ...); ok is False
 
     @classmethod
-    def skip(cls, tier: str, step: int, reason: str) -> "TierWrite":
+    def skip(cls, tier: str, step: int, reason: str) -> TierWrite:
         return cls(tier, step, False, 0.0, 0, skipped=reason)
 
 
@@ -57,7 +57,7 @@ def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Sna
         c = snap.chunks[i]
         rec = snap.record(i)
         if enc.codec == "raw":
-            storage.put(f"{d}/{c.key}", c.data)
+            storage.put(f"{d}/{c.key}", c.data.data)
             return rec
         return transfer.store(storage, f"{d}/{c.key}", transfer.MemorySource(c.data), rec, enc)
 
@@ -169,7 +169,7 @@ def _with_stored(items: tuple, stored: dict) -> tuple:
 
 
 def read_manifests(storage: Storage, d: str, names: list[str]) -> tuple:
-    out = []
+    out: list[mf.Manifest | CorruptCheckpointError] = []
     for name in sorted(names):
         if layout.parse_manifest_name(name) is None:
             continue
@@ -235,7 +235,7 @@ def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int,
             views = list(ex.map(lambda s: observe_step(storage, tier, naming, s), steps))
     else:
         views = [observe_step(storage, tier, naming, s) for s in steps]
-    return {s: ts for s, ts in zip(steps, views) if ts is not None}
+    return {s: ts for s, ts in zip(steps, views, strict=True) if ts is not None}
 
 
 def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
@@ -256,7 +256,7 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
         live = any(w is not None and w.alive() is not False for w in owners)
         committed = any(layout.parse_manifest_name(n) for n in names)
         here = 0
-        for n, w in zip(names, owners):
+        for n, w in zip(names, owners, strict=True):
             dead_own = w is not None and w.alive() is False
             orphan = not committed and not live and layout.is_chunk_name(n)
             if dead_own or orphan:

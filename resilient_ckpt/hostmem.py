@@ -80,4 +80,6 @@ class Region:
         return got == self.addr + dest_offset
 
     def array(self) -> np.ndarray:
-        return np.frombuffer(self._buf, dtype=np.uint8)[:self.nbytes]
+        # numpy's stubs list the buffer types frombuffer takes before Python 3.12
+        # (no typing.Buffer); a ctypes array is a buffer but not among them.
+        return np.frombuffer(self._buf, dtype=np.uint8)[:self.nbytes]  # type: ignore[call-overload]

@@ -79,7 +79,7 @@ class Writer:
     start: int  # process start time in clock ticks since boot (/proc/PID/stat)
 
     @staticmethod
-    def me() -> "Writer":
+    def me() -> Writer:
         return Writer(_host(), os.getpid(), process_start_time(os.getpid()) or 0)
 
     def tmp_name(self, final: str) -> str:

@@ -17,7 +17,8 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from etils import epath
 
@@ -27,8 +28,8 @@ from .errors import CorruptCheckpointError, StepAlreadyExistsError, StepNotFound
 from .layout import StepNaming
 from .options import CheckpointManagerOptions, resolve
 from .restore import RestoreRecord, restore_choice
+from .saver import Saver, SaveRecord, Tier
 from .selection import Choice
-from .saver import SaveRecord, Saver, Tier
 
 __all__ = ["CheckpointManager", "CheckpointManagerOptions", "SaveRecord"]
 
@@ -273,7 +274,7 @@ class CheckpointManager:
                 self._cleanup.join()  # it uses the storages closed below
             self._saver.close()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:

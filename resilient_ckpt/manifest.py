@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, cast
 
 from .codec import CODECS  # the one list of codec names
 from .errors import CorruptCheckpointError, UnsupportedFormatError
@@ -122,7 +122,7 @@ def decode_scalar(d: dict) -> Any:
         raise UnsupportedFormatError(f"unknown scalar type {t!r} in manifest")
     if type(v) is not want:  # noqa: E721 - bool is not an int here
         raise ValueError(f"a {t} scalar holds {v!r}")
-    return float.fromhex(v) if t == "float" else v
+    return float.fromhex(cast(str, v)) if t == "float" else v  # a float is stored as hex
 
 
 # ---------------------------------------------------------------- to JSON
@@ -257,7 +257,7 @@ def _parse_leaf(r: _Reader, d: Any, ctx: str) -> LeafRecord:
     if kind in ("array", "prng_key", "numpy", "numpy_scalar"):
         r.str_(leaf.dtype, ctx + ".dtype")
         for c in chunks:
-            if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
+            if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape, strict=False)):
                 raise r.fail(f"{ctx}: chunk {c.key} lies outside shape {shape}")
     elif chunks:
         raise r.fail(f"{ctx}: a {kind} leaf cannot have chunks")

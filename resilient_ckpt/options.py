@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Container, Literal, Union
+from collections.abc import Callable, Container, Sequence
+from typing import Any, Literal
 
 from .layout import StepNaming
 from .tiers import GcsTier, LocalTier, RamTier
@@ -18,7 +19,7 @@ from .transfer import Encoding
 
 BestMode = Literal["min", "max"]
 OverBudget = Literal["wait", "skip"]
-TierConfig = Union[RamTier, LocalTier, GcsTier]
+TierConfig = RamTier | LocalTier | GcsTier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class CheckpointManagerOptions:
     should_save_fn: Callable[[int, int | None], bool] | None = None
     read_only: bool = False
     enable_async_checkpointing: bool = True
-    tiers: tuple[TierConfig, ...] = ()
+    tiers: Sequence[TierConfig] = ()  # a tuple once constructed
     host_memory_budget: int | None = None
     over_budget: OverBudget = "wait"
     io_threads: int = 8
@@ -67,7 +68,7 @@ class CheckpointManagerOptions:
         object.__setattr__(self, "tiers", tuple(self.tiers))
 
     @staticmethod
-    def from_any(options: Any) -> "CheckpointManagerOptions":
+    def from_any(options: Any) -> CheckpointManagerOptions:
         """Ours as given, or Orbax's CheckpointManagerOptions field by field."""
         if options is None:
             return CheckpointManagerOptions()
@@ -126,16 +127,17 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
     remote = directory.startswith("gs://")
     configs = sorted(o.tiers or (GcsTier() if remote else LocalTier(),),
                      key=lambda t: t.rank)
-    tiers, seen = [], collections.Counter()
+    tiers: list[TierPlan] = []
+    seen: collections.Counter[str] = collections.Counter()
     for t in configs:
         name = t.kind if not seen[t.kind] else f"{t.kind}{seen[t.kind]}"
         seen[t.kind] += 1
         every = t.every if t.every is not None else o.save_interval_steps
         keep = t.keep if (t.keep is not None or isinstance(t, RamTier)) else o.max_to_keep
-        gcs = isinstance(t, GcsTier)
+        gcs = t if isinstance(t, GcsTier) else None
         tiers.append(TierPlan(name, t, every, keep,
-                              Encoding(t.codec, t.level) if gcs else Encoding(),
-                              t.concurrency if gcs else None))
+                              Encoding(gcs.codec, gcs.level) if gcs else Encoding(),
+                              gcs.concurrency if gcs else None))
     return Plan(directory, tuple(tiers),
                 StepNaming(o.step_prefix, o.step_format_fixed_length),
                 Retention(o.keep_period, o.best_fn, o.best_mode,

@@ -9,7 +9,7 @@ restore plan covers every element of a target box exactly once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .manifest import ChunkRecord
 from .sharding import Box, box_elements, intersect, relative

@@ -9,7 +9,8 @@ otherwise the bar counts without a total.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .selection import Choice
 from .storage.base import Storage

@@ -102,7 +102,7 @@ def match_target(saved_paths: list[tuple[PathEntry, ...]],
     if missing:
         raise TargetMismatchError(
             f"{where}: the restore target has leaves the checkpoint lacks: "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; check the target's "
+            f"{_some(missing)}; check the target's "
             "tree structure against item_metadata(step)")
     if not partial:
         tset = set(target_paths)
@@ -110,6 +110,11 @@ def match_target(saved_paths: list[tuple[PathEntry, ...]],
         if extra:
             raise TargetMismatchError(
                 f"{where}: the checkpoint has leaves the restore target lacks: "
-                f"{extra[:5]}{' ...' if len(extra) > 5 else ''}; pass the full tree, "
+                f"{_some(extra)}; pass the full tree, "
                 "or PyTreeRestore(..., partial_restore=True) to restore a subset")
     return [index[p] for p in target_paths]
+
+
+def _some(names: list[str]) -> str:
+    """The first few names, for an error message."""
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"

@@ -16,7 +16,8 @@ import concurrent.futures as cf
 import dataclasses
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import google_crc32c
 import jax
@@ -24,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import args as args_lib, codec, layout, metadata
-from .hostmem import Region, host_buffer
 from .errors import CorruptCheckpointError, ItemNotFoundError, StorageError, TargetMismatchError
+from .hostmem import Region, host_buffer
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
 from .planner import blocks_for_rows, plan_target, rows_per_block
 from .pytree import build_nested, flatten, match_target, unflatten
@@ -102,7 +103,7 @@ class ChunkReader:
             buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
             if buf is None:
                 buf = host_buffer(c.stored_nbytes)
-                st.read_into(key, memoryview(buf))
+                st.read_into(key, buf.data)
             if not raw:
                 buf = codec.decode(c.codec, buf, c.nbytes, host_buffer(c.nbytes))
             if google_crc32c.value(buf) != c.crc32c:
@@ -139,6 +140,7 @@ class ChunkReader:
         and verified there; the at most two blocks at the ends go through a
         small buffer of their own, so no byte is read twice."""
         rpb, n, bb = rows_per_block(c), c.sizes[0], c.block_bytes
+        assert rpb is not None  # pieces() sends only chunks whose blocks follow rows
         row = c.nbytes // n
         a, b = src[0].start, src[0].stop
         inner = range(-(-a // rpb), (b // rpb) if b < n else -(-n // rpb))
@@ -150,7 +152,7 @@ class ChunkReader:
             if len(inner):
                 r_lo, r_hi = inner.start * rpb, min(inner.stop * rpb, n)
                 seg = flat[(r_lo - a) * row:(r_hi - a) * row]
-                st.read_into(key, memoryview(seg), offset=r_lo * row)
+                st.read_into(key, seg.data, offset=r_lo * row)
                 nread += len(seg)
                 for i, blk in enumerate(inner):
                     if google_crc32c.value(seg[i * bb:(i + 1) * bb]) != c.block_crc32c[blk]:
@@ -159,7 +161,7 @@ class ChunkReader:
             for blk in ends:
                 start, stop = blk * bb, min((blk + 1) * bb, c.nbytes)
                 stage = np.empty(stop - start, np.uint8)
-                st.read_into(key, memoryview(stage), offset=start)
+                st.read_into(key, stage.data, offset=start)
                 nread += len(stage)
                 if google_crc32c.value(stage) != c.block_crc32c[blk]:
                     raise CorruptCheckpointError(
@@ -188,7 +190,7 @@ class ChunkReader:
                         seg = mapped[start:stop]
                     else:
                         seg = self._stage(stop - start)
-                        st.read_into(key, memoryview(seg), offset=start)
+                        st.read_into(key, seg.data, offset=start)
                     nread += stop - start
                     for i, b in enumerate(range(lo, hi)):
                         blk = seg[i * c.block_bytes:(i + 1) * c.block_bytes]
@@ -212,7 +214,8 @@ class ChunkReader:
         picks = []
         for p in pieces:
             c = p.chunk
-            full = all(sl == slice(0, n) for sl, n in zip(p.src[1:], c.sizes[1:])) and \
+            full = all(sl == slice(0, n)
+                       for sl, n in zip(p.src[1:], c.sizes[1:], strict=False)) and \
                 tuple(c.sizes[1:]) == tuple(box[1][1:])
             tier = next((t for t in self.choice.sources.get(c.key, ())
                          if (t, c.key) not in self.bad), None)
@@ -234,6 +237,9 @@ class ChunkReader:
             c, st = p.chunk, self.storages[tier]
             key = f"{self.dir}/{c.key}"
             view = st.map(key, c.nbytes)
+            # None only if the object is now shorter than the manifest says (it was
+            # long enough for place()); that raised TypeError below before.
+            assert view is not None
             nread = 0
             for b0, b1 in blocks_for_rows(c, [(p.src[0].start, p.src[0].stop)]):
                 for b in range(b0, b1):
@@ -263,7 +269,7 @@ class ChunkReader:
 def _rows_in_place(c: ChunkRecord, src: tuple, dst: np.ndarray) -> bool:
     """True when chunk[src] is whole rows laid out exactly as contiguous dst."""
     return (dst.flags.c_contiguous and tuple(dst.shape[1:]) == tuple(c.sizes[1:])
-            and all(sl == slice(0, k) for sl, k in zip(src[1:], c.sizes[1:])))
+            and all(sl == slice(0, k) for sl, k in zip(src[1:], c.sizes[1:], strict=False)))
 
 
 def _copy_rows(parts, rows: np.ndarray, r0: int) -> None:
@@ -375,8 +381,11 @@ def _to_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReade
     index_map = sharding.addressable_devices_indices_map(shape)
     by_box = collections.defaultdict(list)
     for d, idx in index_map.items():
-        by_box[index_to_box(idx, shape)].append(d)
-    cpu = all(d.platform == "cpu" for d in index_map)
+        # jax annotates the map's values `Index | None`, but each is a subset of
+        # devices_indices_map's, which are never None.
+        by_box[index_to_box(idx, shape)].append(d)  # type: ignore[arg-type]
+    # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
+    cpu = all(d.platform == "cpu" for d in index_map)  # type: ignore[attr-defined]
     host = _host_boxes(rec, list(by_box), reader, where, cpu)
     by_dev = {}
     for box, devices in by_box.items():
@@ -412,7 +421,7 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
                    reader: ChunkReader) -> list[Any]:
     t0 = time.perf_counter()
     out = []
-    for rec, tgt in zip(records, targets):
+    for rec, tgt in zip(records, targets, strict=True):
         out.append(restore_leaf(rec, tgt, reader, f"leaf {path_str(rec.path)}"))
     for a in out:
         if isinstance(a, jax.Array):
@@ -474,7 +483,7 @@ def _restore_item(item: ItemRecord, req: args_lib.RestoreRequest, reader: ChunkR
         targets = [target_for(None, metadata.restore_arg_for(req.restore_args, lf.path))
                    for lf in records]
         values = restore_leaves(records, targets, reader)
-        return build_nested(list(zip(saved_paths, values)))
+        return build_nested(list(zip(saved_paths, values, strict=True)))
     pairs, treedef = flatten(req.item)
     idx = match_target(saved_paths, [p for p, _ in pairs], partial=req.partial, where=where)
     records = [item.leaves[i] for i in idx]

@@ -8,7 +8,8 @@ multiple of `keep_period`. Never delete the tier's newest step, nor any step in
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def to_delete(steps: Sequence[int], keep: int | None, *, keep_period: int | None = None,

@@ -24,7 +24,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -32,6 +33,7 @@ from . import commit, metadata, snapshot
 from .catalog import Catalog
 from .commit import TierWrite
 from .errors import SaveFailedError, StepNotFoundError
+from .manifest import Manifest
 from .options import Plan, TierPlan
 from .storage.base import Storage
 
@@ -297,54 +299,55 @@ class Saver:
 
     # ------------------------------------------------------------ tier jobs
 
-    def _write(self, t: Tier, flight: _Flight) -> None:
-        snap, rec = flight.snap, flight.rec
+    def _job(self, t: Tier, flight: _Flight, body: Callable[[], bool]) -> None:
+        """Runs one tier's job for `flight`; then, unless `body` says the write
+        was skipped, that tier's retention. A failure is handed to the
+        training thread; the tier lets go of the snapshot either way."""
         try:
-            rec.tiers[t.name] = commit.write_step(
-                t.storage, t.name, self._plan.naming, snap, flight.header, t.io,
-                encoding=t.plan.encoding,
-                on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
-            self._apply_retention(t)
+            if body():
+                self._apply_retention(t)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            self._failed(t, snap.step, e, rec)
+            self._failed(t, flight.snap.step, e, flight.rec)
         finally:
             self._flying.done(t.name, flight)
 
+    def _write(self, t: Tier, flight: _Flight) -> None:
+        self._job(t, flight, lambda: self._write_snapshot(t, flight))
+
+    def _write_snapshot(self, t: Tier, flight: _Flight) -> bool:
+        flight.rec.tiers[t.name] = commit.write_step(
+            t.storage, t.name, self._plan.naming, flight.snap, flight.header, t.io,
+            encoding=t.plan.encoding,
+            on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
+        return True
+
     def _upload(self, t: Tier, flight: _Flight, feeds: list) -> None:
+        self._job(t, flight, lambda: self._upload_step(t, flight, feeds))
+
+    def _upload_step(self, t: Tier, flight: _Flight, feeds: list) -> bool:
         """A remote tier's job: once a faster tier has committed the step, upload
-        that tier's copy; only if none did, the host snapshot."""
+        that tier's copy; only if none did, the host snapshot. False if skipped."""
         snap, rec = flight.snap, flight.rec
-        try:
-            cf.wait([fut for _, fut in feeds])
-            done = [n for n, _ in feeds if _ok(rec, n)]
-            if done:
-                self._upload_copy(t, flight, done)
-            elif all(rec.tiers.get(n) is not None and rec.tiers[n].skipped
-                     for n, _ in feeds):
-                rec.tiers[t.name] = TierWrite.skip(t.name, snap.step,
-                                                   rec.tiers[feeds[0][0]].skipped or "")
-                log.warning("step %d not uploaded to the %s tier: %s", snap.step, t.name,
-                            rec.tiers[t.name].skipped)
-                return
-            else:
-                log.warning("no faster tier committed step %d; uploading it to the %s tier "
-                            "from host memory", snap.step, t.name)
-                rec.tiers[t.name] = commit.write_step(
-                    t.storage, t.name, self._plan.naming, snap, flight.header, t.io,
-                    encoding=t.plan.encoding,
-                    on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
-            self._apply_retention(t)
-        except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            self._failed(t, snap.step, e, rec)
-        finally:
-            self._flying.done(t.name, flight)
+        cf.wait([fut for _, fut in feeds])
+        done = [n for n, _ in feeds if _ok(rec, n)]
+        if done:
+            self._upload_copy(t, flight, done)
+            return True
+        if all(rec.tiers.get(n) is not None and rec.tiers[n].skipped for n, _ in feeds):
+            reason = rec.tiers[feeds[0][0]].skipped or ""
+            rec.tiers[t.name] = TierWrite.skip(t.name, snap.step, reason)
+            log.warning("step %d not uploaded to the %s tier: %s", snap.step, t.name, reason)
+            return False
+        log.warning("no faster tier committed step %d; uploading it to the %s tier "
+                    "from host memory", snap.step, t.name)
+        return self._write_snapshot(t, flight)
 
     def _upload_copy(self, t: Tier, flight: _Flight, done: list[str]) -> None:
         snap = flight.snap
         self._flying.release(t.name, flight)
         ts = self._catalog.view(done[0]).get(snap.step)
         mine = [m for m in (ts.manifests if ts else ())
-                if getattr(m, "save_id", None) == snap.save_id
+                if isinstance(m, Manifest) and m.save_id == snap.save_id
                 and m.process_index == jax.process_index()]
         if not mine:
             raise StepNotFoundError(f"step {snap.step} vanished from the {done[0]} "
@@ -387,10 +390,11 @@ class Saver:
         ones when there are any (a restore reads the fastest copy: it need not
         wait minutes for an upload on the recovery path)."""
         jobs = self._flying.jobs(step)
+        futures = list(jobs.values())
         if for_restore:
             fast = [f for n, f in jobs.items() if not self.tier(n).storage.remote]
-            jobs = dict(enumerate(fast)) if fast else jobs
-        cf.wait(list(jobs.values()))
+            futures = fast or futures
+        cf.wait(futures)
 
     def wait_for_restore(self, step: int | None, viable: Callable[[int], bool]) -> None:
         """Waits for what a restore of `step` (None: the newest) may read: the

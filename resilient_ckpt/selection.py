@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .manifest import ChunkRecord, ItemRecord, Manifest
 from .planner import chunks_cover

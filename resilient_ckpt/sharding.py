@@ -6,7 +6,7 @@ and writes / rebuilds the JSON description of a jax sharding kept in manifests.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -28,12 +28,12 @@ def index_to_box(index: tuple, shape: Sequence[int]) -> Box:
 
 
 def box_to_slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(*box))
+    return tuple(slice(o, o + s) for o, s in zip(*box, strict=False))
 
 
 def intersect(a: Box, b: Box) -> Box | None:
     offs, sizes = [], []
-    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=False):
         lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
         if hi <= lo:
             return None
@@ -45,7 +45,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
     """Slices that select `inner` (global coordinates) inside `outer`."""
     return tuple(slice(io - oo, io - oo + s)
-                 for io, oo, s in zip(inner[0], outer[0], inner[1]))
+                 for io, oo, s in zip(inner[0], outer[0], inner[1], strict=False))
 
 
 def box_elements(box: Box) -> int:
@@ -61,10 +61,12 @@ def describe(sharding: jax.sharding.Sharding) -> dict:
                 "mesh_shape": list(mesh.devices.shape),
                 "device_ids": [int(d.id) for d in mesh.devices.flat],
                 "spec": spec}
+    # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         (d,) = sharding.device_set
-        return {"type": "single_device", "device_id": int(d.id)}
-    return {"type": "other", "device_ids": sorted(int(d.id) for d in sharding.device_set),
+        return {"type": "single_device", "device_id": int(d.id)}  # type: ignore[attr-defined]
+    return {"type": "other",
+            "device_ids": sorted(int(d.id) for d in sharding.device_set),  # type: ignore[attr-defined]
             "repr": repr(sharding)[:200]}
 
 

@@ -181,7 +181,7 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     slab = pool.take(total) if total else None
     flat = np.frombuffer(slab, dtype=np.uint8) if slab is not None else None
     chunks = []
-    for (ii, li, box, key, src), off, n in zip(sources, offsets, sizes):
+    for (ii, li, box, key, src), off, n in zip(sources, offsets, sizes, strict=True):
         chunks.append(SnapChunk(ii, li, box[0], box[1], key, flat[off:off + n]
                                 if flat is not None else np.zeros(0, np.uint8),
                                 np.dtype(src.dtype).itemsize))

@@ -13,7 +13,7 @@ import hashlib
 import os
 import tempfile
 
-from .codec import check as check_codec
+from .codec import Codec, check as check_codec
 from .storage import FileStorage, Storage
 from .storage.retry import RetryPolicy
 
@@ -30,7 +30,7 @@ class RamTier:
     kind = "ram"
     rank = 0  # tier order: fastest first
 
-    def open(self, directory: str, create: bool) -> Storage:
+    def open(self, directory: str, create: bool) -> FileStorage:
         path = self.path
         if path is None:
             remote = directory.startswith("gs://")
@@ -55,7 +55,7 @@ class LocalTier:
     kind = "local"
     rank = 1  # tier order: fastest first
 
-    def open(self, directory: str, create: bool) -> Storage:
+    def open(self, directory: str, create: bool) -> FileStorage:
         if self.path is None and directory.startswith("gs://"):
             raise ValueError(f"LocalTier() needs path= when the manager's directory is "
                              f"a gs:// URL ({directory})")
@@ -88,7 +88,7 @@ class GcsTier:
     url: str | None = None
     every: int | None = None
     keep: int | None = None
-    codec: str = "raw"
+    codec: Codec = "raw"
     level: int = 1
     endpoint: str | None = None
     concurrency: int = 8

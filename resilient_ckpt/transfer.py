@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
+from collections.abc import Sequence
 
 import google_crc32c
 import numpy as np
@@ -70,7 +71,7 @@ class MemorySource(Source):
         self._data, self.where = data, where
 
     def view(self) -> memoryview:
-        return memoryview(self._data).cast("B")
+        return self._data.data.cast("B")
 
 
 class TierSource(Source):
@@ -86,7 +87,7 @@ class TierSource(Source):
         except OSError as e:
             raise SourceError(e.errno or errno.EIO,
                               f"reading {self.where} to copy it failed: {e}") from e
-        return None if m is None else memoryview(m).cast("B")
+        return None if m is None else m.data.cast("B")
 
     def read_into(self, out: memoryview, offset: int) -> None:
         try:
@@ -191,7 +192,7 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
     return dataclasses.replace(c, codec="zstd" if zstd else "raw", stored_nbytes=stored)
 
 
-def store_first(storage: Storage, key: str, sources: list[Source], c: ChunkRecord,
+def store_first(storage: Storage, key: str, sources: Sequence[Source], c: ChunkRecord,
                 enc: Encoding) -> tuple[ChunkRecord, int]:
     """`store` from the first source whose copy reads and verifies; returns the
     stored record and the index of the source used. A failure of the

@@ -7,8 +7,8 @@ It imports jax, prints "imported", waits for one line on stdin (so the parent
 can start it early, while it still checks the previous trial), opens a manager
 on a RamTier and a LocalTier, prints "ready <latest step or -1>", then saves
 steps latest+1, latest+2, ... forever, printing "saving N" as it calls save and
-"committed N" once step N (and every step before it) is committed to every tier. The state of step N is
-`make_state(N)`; the parent imports this module to know what each step holds.
+"committed N" once step N (and every step before it) is committed to every tier.
+The state of step N is `make_state(N)`; the parent imports this module to know what each step holds.
 """
 from __future__ import annotations
 

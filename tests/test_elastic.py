@@ -28,11 +28,23 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (CheckpointError, CheckpointManager, CheckpointManagerOptions,
-                            LocalTier, RamTier, RecoveryFailedError)
-from resilient_ckpt import elastic
-from resilient_ckpt.elastic import (Elastic, HealthCheck, RecoveryPolicy, failures,
-                                    format_timeline, shrink_data_axis)
+from resilient_ckpt import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointManagerOptions,
+    LocalTier,
+    RamTier,
+    RecoveryFailedError,
+    elastic,
+)
+from resilient_ckpt.elastic import (
+    Elastic,
+    HealthCheck,
+    RecoveryPolicy,
+    failures,
+    format_timeline,
+    shrink_data_axis,
+)
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
 
 SHAPE = (16, 8)

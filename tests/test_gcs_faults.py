@@ -16,8 +16,15 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, GcsTier, RamTier,
-                            RetryPolicy, layout, manifest as mf)
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    GcsTier,
+    RamTier,
+    RetryPolicy,
+    layout,
+    manifest as mf,
+)
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.fake_gcs import FakeGcs
 from resilient_ckpt.testing.gcs_proxy import FaultProxy

@@ -15,9 +15,18 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, GcsTier, LocalTier,
-                            RamTier, RetryPolicy, SaveFailedError, StepAlreadyExistsError,
-                            commit, layout)
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    GcsTier,
+    LocalTier,
+    RamTier,
+    RetryPolicy,
+    SaveFailedError,
+    StepAlreadyExistsError,
+    commit,
+    layout,
+)
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 

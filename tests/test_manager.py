@@ -14,9 +14,16 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier,
-                            SaveFailedError,
-                            StepNotFoundError, TargetMismatchError, commit)
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    LocalTier,
+    RamTier,
+    SaveFailedError,
+    StepNotFoundError,
+    TargetMismatchError,
+    commit,
+)
 
 
 def make_state(mesh, seed=0):

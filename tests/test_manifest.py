@@ -3,8 +3,7 @@ import json
 
 import pytest
 
-from resilient_ckpt import CorruptCheckpointError, UnsupportedFormatError
-from resilient_ckpt import manifest as mf
+from resilient_ckpt import CorruptCheckpointError, UnsupportedFormatError, manifest as mf
 
 
 def sample() -> mf.Manifest:

@@ -21,8 +21,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions,
-                            CorruptCheckpointError, LocalTier, RamTier, StepNotFoundError)
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    CorruptCheckpointError,
+    LocalTier,
+    RamTier,
+    StepNotFoundError,
+)
 
 STEPS = (1, 2, 3)
 

@@ -63,7 +63,7 @@ def build(mb: float):
 # ------------------------------------------------------------------ the children
 
 def open_manager(a) -> CheckpointManager:
-    tiers = list(TIERS)
+    tiers: list[RamTier | LocalTier | GcsTier] = list(TIERS)
     if a.gcs:
         tiers.append(GcsTier(a.gcs, every=GCS_EVERY, keep=GCS_KEEP, endpoint=a.gcs_endpoint))
     return CheckpointManager(a.dir, options=CheckpointManagerOptions(tiers=tiers))
@@ -135,6 +135,7 @@ def phase_resume(a) -> None:
     state = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
     restore_s = time.perf_counter() - t0
     rec = mngr.last_restore
+    assert rec is not None  # set by the restore above
     assert int(state["count"]) == step, (int(state["count"]), step)
     print(f"  restored step {step} in {restore_s * 1e3:.1f} ms "
           f"from {dict(rec.bytes_by_tier)}", flush=True)
@@ -164,6 +165,7 @@ def phase_gcs(a) -> None:
     state = gcs_only.restore(step, args=ocp.args.StandardRestore(abstract))
     restore_s = time.perf_counter() - t0
     rec = gcs_only.last_restore
+    assert rec is not None  # set by the restore above
     gcs_only.close()
     local = CheckpointManager(a.dir, options=CheckpointManagerOptions(
         tiers=[LocalTier()], read_only=True))
@@ -171,7 +173,7 @@ def phase_gcs(a) -> None:
     if step in local.all_steps():
         ref = local.restore(step, args=ocp.args.StandardRestore(abstract))
         same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
-                   zip(jax.tree.leaves(state), jax.tree.leaves(ref)))
+                   zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True))
     local.close()
     dump(a.dir, "gcs", {"step": step, "restore_s": restore_s, "bytes_by_tier":
                         dict(rec.bytes_by_tier), "bit_identical": same})
@@ -255,6 +257,7 @@ def start_gcs(a):
         sys.exit(f"{e}\n(or run with --gcs gs://bucket/prefix for a real bucket, or --no-gcs)")
     server.create_bucket(DEMO_BUCKET)
     a.gcs, a.gcs_endpoint = f"gs://{DEMO_BUCKET}/{run}", server.endpoint
+    assert server._proc is not None  # started
     print(f"GCS tier: fake-gcs-server at {server.endpoint} (pid {server._proc.pid}), "
           f"{a.gcs}", flush=True)
     return server

@@ -53,7 +53,7 @@ def model_on(mesh, mb: float, batch_size: int):
     shardings = {"params": ns, "m": ns, "v": ns, "count": NamedSharding(mesh, P())}
 
     def init():
-        keys = dict(zip(shapes, jax.random.split(jax.random.key(0), len(shapes))))
+        keys = dict(zip(shapes, jax.random.split(jax.random.key(0), len(shapes)), strict=True))
         params = {k: (jax.random.normal(keys[k], s) / s[0] ** 0.5 if len(s) == 2
                       else jnp.zeros(s)) for k, s in shapes.items()}
         zeros = jax.tree.map(jnp.zeros_like, params)

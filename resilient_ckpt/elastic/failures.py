@@ -12,7 +12,8 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import jax
 import numpy as np

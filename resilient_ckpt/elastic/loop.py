@@ -36,7 +36,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from jax.sharding import Mesh
 

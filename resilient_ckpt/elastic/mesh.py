@@ -6,7 +6,7 @@ loop records and caches meshes by (device ids, axis sizes).
 """
 from __future__ import annotations
 
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 import jax
 import numpy as np

@@ -11,7 +11,8 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh

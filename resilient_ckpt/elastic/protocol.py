@@ -5,7 +5,8 @@ This module owns that contract and nothing else: `CheckpointManager` meets it
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 
 class RestoreRecordLike(Protocol):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 from jax.sharding import Mesh
@@ -36,7 +37,8 @@ class RecoveryEvent:
     (the function's own set-up: jit, or waiting for a program being built
     ahead); `restore_s` choosing and restoring the step; `resume_s` from the
     restore to the first completed step (a compile, if the step is not
-    compiled yet); `total_s` from the fault to that step. `steps_lost`: completed steps that must be recomputed.
+    compiled yet); `total_s` from the fault to that step. `steps_lost`:
+    completed steps that must be recomputed.
     """
 
     kind: EventKind
@@ -105,7 +107,8 @@ def format_timeline(events: Sequence[RecoveryEvent]) -> str:
                      "-" if e.steps_lost is None else str(e.steps_lost),
                      first_line(e.outcome, 40)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
 
 
 class Recorder:

@@ -180,7 +180,7 @@ class FileStorage(Storage):
 
     def begin_write(self, prefix: str) -> None:
         marker = os.path.join(self._path(prefix), self._writer.marker_name())
-        for attempt in range(3):  # a cleaner may remove the empty directory between
+        for _attempt in range(3):  # a cleaner may remove the empty directory between
             try:
                 os.makedirs(self._path(prefix), exist_ok=True)
                 open(marker, "wb").close()

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import CheckpointError, StorageError
 from .base import Storage
@@ -67,9 +67,9 @@ class GcsStorage(Storage):
     def __init__(self, url: str, *, endpoint: str | None = None,
                  retry: RetryPolicy = RetryPolicy(), concurrency: int = 8,
                  piece_bytes: int = 64 * 2**20):
+        import requests.adapters
         from google.auth.transport.requests import AuthorizedSession
         from google.cloud import storage as gcs
-        import requests.adapters
 
         self.bucket_name, self.prefix = parse_url(url)
         self.url = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")

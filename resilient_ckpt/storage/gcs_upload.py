@@ -21,7 +21,7 @@ import base64
 import errno
 import io
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 import google_crc32c
 import numpy as np
@@ -120,7 +120,8 @@ class GcsUploads:
             yield second
             while buf := _read_full(stream, size):
                 yield buf
-        parts, crc, total = [], 0, 0
+        parts: list[str] = []
+        crc, total = 0, 0
         try:
             for buf in pieces():
                 parts.append(f"{key}{PART}{len(parts):05d}")
@@ -159,7 +160,7 @@ class GcsUploads:
         while len(parts) > 32:
             groups = [parts[i:i + 32] for i in range(0, len(parts), 32)]
             names = [f"{key}{PART}c{level}_{i:05d}" for i in range(len(groups))]
-            for name, group in zip(names, groups):
+            for name, group in zip(names, groups, strict=True):
                 self._compose_once(name, group)
             parts, level = names, level + 1
         blob = self._compose_once(key, parts)

@@ -15,7 +15,8 @@ import logging
 import random
 import socket
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..errors import CheckpointError, StorageError
 

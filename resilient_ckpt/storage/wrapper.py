@@ -22,38 +22,71 @@ class StorageWrapper(Storage):
         self.inner = inner
 
     # ------------------------------------------------ names and capabilities
+    # Read from, and (as Storage's attributes are writable) set on, `inner`.
 
     @property
     def kind(self) -> str:
         return self.inner.kind
 
+    @kind.setter
+    def kind(self, value: str) -> None:
+        self.inner.kind = value
+
     @property
     def url(self) -> str:
         return self.inner.url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        self.inner.url = value
 
     @property
     def shared(self) -> bool:
         return self.inner.shared
 
+    @shared.setter
+    def shared(self, value: bool) -> None:
+        self.inner.shared = value
+
     @property
     def sizes_from_manifest(self) -> bool:
         return self.inner.sizes_from_manifest
+
+    @sizes_from_manifest.setter
+    def sizes_from_manifest(self, value: bool) -> None:
+        self.inner.sizes_from_manifest = value
 
     @property
     def zero_copy(self) -> bool:
         return self.inner.zero_copy
 
+    @zero_copy.setter
+    def zero_copy(self, value: bool) -> None:
+        self.inner.zero_copy = value
+
     @property
     def remote(self) -> bool:
         return self.inner.remote
+
+    @remote.setter
+    def remote(self, value: bool) -> None:
+        self.inner.remote = value
 
     @property
     def create_only_commit(self) -> bool:
         return self.inner.create_only_commit
 
+    @create_only_commit.setter
+    def create_only_commit(self, value: bool) -> None:
+        self.inner.create_only_commit = value
+
     @property
     def piece_bytes(self) -> int:
         return self.inner.piece_bytes
+
+    @piece_bytes.setter
+    def piece_bytes(self, value: int) -> None:
+        self.inner.piece_bytes = value
 
     # ------------------------------------------------ writes
 

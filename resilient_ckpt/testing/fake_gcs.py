@@ -70,7 +70,7 @@ class FakeGcs:
                 "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
                 "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
-    def start(self, timeout: float = 10.0) -> "FakeGcs":
+    def start(self, timeout: float = 10.0) -> FakeGcs:
         args = ["-backend", self.backend]
         if self.backend == "filesystem":
             if self.root is None:
@@ -92,8 +92,10 @@ class FakeGcs:
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        proc = self._proc
+        assert proc is not None  # just started by start()
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 self._proc = None
                 return False
             try:
@@ -132,7 +134,7 @@ class FakeGcs:
             if e.code != 409:
                 raise
 
-    def __enter__(self) -> "FakeGcs":
+    def __enter__(self) -> FakeGcs:
         return self.start()
 
     def __exit__(self, *exc) -> None:

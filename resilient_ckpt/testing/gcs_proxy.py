@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 FAULTS = ("429", "503", "reset", "reset_after", "truncate")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
@@ -93,7 +93,7 @@ class FaultProxy:
             self.log.append((method, path, fault))
             return fault
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -133,7 +133,7 @@ class FaultProxy:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -172,6 +172,7 @@ class FaultProxy:
 
     def _forward(self, h, body: bytes) -> tuple[int, list, bytes]:
         up = urllib.parse.urlparse(self.upstream)
+        assert up.hostname is not None, self.upstream  # an http://host:port URL
         conn = http.client.HTTPConnection(up.hostname, up.port, timeout=120)
         conn.connect()
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -198,7 +199,7 @@ class FaultProxy:
 
 def _read_body(h) -> bytes:
     if h.headers.get("Transfer-Encoding", "").lower() == "chunked":
-        parts = []
+        parts: list[bytes] = []
         while True:
             size = int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)
             if size == 0:

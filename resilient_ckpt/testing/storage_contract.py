@@ -72,15 +72,15 @@ class _ObjectContract:
 
     def test_put_then_read_whole_and_ranged(self, storage):
         data = payload(10_000)
-        storage.put("1/a", memoryview(data))
+        storage.put("1/a", data.data)
         assert storage.size("1/a") == data.nbytes
         assert storage.read("1/a") == data.tobytes()
         out = np.zeros(data.nbytes, np.uint8)
-        storage.read_into("1/a", memoryview(out))
+        storage.read_into("1/a", out.data)
         assert np.array_equal(out, data)
         for offset, n in [(0, 1), (100, 900), (data.nbytes - 1, 1), (0, data.nbytes)]:
             out = np.zeros(n, np.uint8)
-            storage.read_into("1/a", memoryview(out), offset)
+            storage.read_into("1/a", out.data, offset)
             assert np.array_equal(out, data[offset:offset + n]), (offset, n)
 
     def test_put_takes_bytes_and_empty_objects(self, storage):
@@ -234,7 +234,7 @@ class StorageContract(_ObjectContract):
         storage.end_write("7")
         assert sorted(storage.list("7")) == sorted([*chunks, MANIFEST])
         with cf.ThreadPoolExecutor(4) as ex:  # concurrent reads
-            got = dict(zip(chunks, ex.map(lambda k: storage.read(f"7/{k}"), chunks)))
+            got = dict(zip(chunks, ex.map(lambda k: storage.read(f"7/{k}"), chunks), strict=True))
         assert all(got[k] == v.tobytes() for k, v in chunks.items())
         storage.delete(f"7/{MANIFEST}")
         storage.flush("7")
@@ -258,7 +258,7 @@ class StorageContract(_ObjectContract):
 
     def test_map_is_copy_on_write_where_zero_copy(self, storage):
         data = payload(3 * 4096, 3)
-        storage.put("2/a", memoryview(data))
+        storage.put("2/a", data.data)
         view = storage.map("2/a", data.nbytes)
         if not storage.zero_copy:
             assert view is None
@@ -273,7 +273,7 @@ class StorageContract(_ObjectContract):
     def test_place_is_copy_on_write_where_zero_copy(self, storage):
         from ..hostmem import PAGE, Region
         data = payload(2 * PAGE, 4)
-        storage.put("2/b", memoryview(data))
+        storage.put("2/b", data.data)
         region = Region(2 * PAGE)
         placed = storage.place("2/b", region, PAGE, 0, PAGE)
         if not storage.zero_copy:
