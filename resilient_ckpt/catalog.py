@@ -8,6 +8,15 @@ Orbax itself wrote in the manager's directory, the metrics of steps still in
 flight, and a cache of `selection.viable` over all of it. Retention's choice of
 what a tier may delete is made here, from the same views.
 
+With several processes, a process's views are only its own part of the
+picture (its per-host tiers hold only its shares), so the answers every
+process must give alike (which steps exist and are in flight, which a tier
+keeps) come from a `JobView`: the shares every process reported at the last
+`agree`, a collective made at open, `reload`, each started save, each
+restore and `wait_until_finished`. Between two of them the answers do not
+change, whatever the background writes do, so no process can branch on a
+view the others do not share.
+
 Locking, in one place: a single lock guards every field above. It is held only
 for reads and updates of those fields and for the pure selection over them,
 never across storage I/O (`reload` lists the tiers first, then swaps the views
@@ -21,22 +30,39 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
-
-from . import commit, legacy, retention, selection
+from . import commit, legacy, retention, selection, shares
+from .agree import Peers
 from .layout import StepNaming
 from .manifest import Manifest
 from .options import Retention
 from .storage.base import Storage
 
 
+class JobView:
+    """What every process reported at one agreement, decided alike everywhere."""
+
+    def __init__(self, views: Sequence[dict]):
+        reports = [[shares.Share.from_json(v) for v in x["shares"]] for x in views]
+        self.steps = shares.agree(reports)
+        self.pending: set[int] = set().union(*(set(x["pending"]) for x in views))
+        self.errors = [(q, e) for q, x in enumerate(views) for e in x["errors"]]
+        orbax = set.intersection(*(set(x["orbax"]) for x in views))
+        self.orbax = orbax - set(self.steps)
+
+    def complete_in(self, tier: str) -> list[int]:
+        """Steps that `tier` holds every process's share of, oldest first."""
+        return sorted(s for s, a in self.steps.items() if tier in a.complete_in)
+
+
 class Catalog:
     """Tier views, bad copies and Orbax steps; `viable()` merges them."""
 
     def __init__(self, tiers: Sequence[tuple[str, Storage]], naming: StepNaming,
-                 directory: str, home: Storage | None):
+                 directory: str, home: Storage | None, peers: Peers):
         self._tiers = list(tiers)  # (name, storage), fastest first
         self._naming, self._directory, self._home = naming, directory, home
+        self.peers = peers
+        self._job = JobView([_empty_view()])
         self._lock = threading.Lock()
         self._views: dict[str, dict[int, selection.TierStep]] = {}
         self._orbax: set[int] = set()
@@ -70,7 +96,7 @@ class Catalog:
     def committed(self, tier: str, storage: Storage, m: Manifest) -> None:
         """Updates `tier`'s view with a manifest this process just committed."""
         if storage.sizes_from_manifest and not (storage.shared and m.process_count > 1
-                                                and jax.process_index() == 0):
+                                                and self.peers.index == 0):
             # Our own manifest is all we need to know: reading every process's
             # back after every upload would cost hosts x hosts requests per step.
             with self._lock:
@@ -92,7 +118,7 @@ class Catalog:
         with self._lock:
             self._views.get(tier, {}).pop(step, None)
             self._cache = None
-        if storage.shared and jax.process_index() != 0:
+        if storage.shared and self.peers.index != 0:
             return
         commit.delete_step(storage, self._naming, step)
 
@@ -139,9 +165,10 @@ class Catalog:
             return dict(self._views.get(tier, {}))
 
     def orbax_steps(self) -> set[int]:
-        """Steps Orbax wrote in the directory (read-only to us)."""
+        """Steps Orbax wrote in the directory (read-only to us); with several
+        processes, those every process sees."""
         with self._lock:
-            return set(self._orbax)
+            return set(self._job.orbax if self.peers.many else self._orbax)
 
     def delete_orbax(self, step: int) -> None:
         """Deletes a step Orbax wrote (they are only ever found in the home tier)."""
@@ -149,6 +176,64 @@ class Catalog:
         self._home.delete_dir(self._naming.name(step))
         with self._lock:
             self._orbax.discard(step)
+
+    # ------------------------------------------------------------ many processes
+
+    def steps(self) -> set[int]:
+        """The viable steps: this process's own answer with one process, the
+        agreed one (the same on every process) with several."""
+        if self.peers.many:
+            with self._lock:
+                return set(self._job.steps)
+        return set(self.viable())
+
+    def pending_anywhere(self) -> set[int]:
+        """Steps some process was still writing at the last agreement."""
+        with self._lock:
+            return set(self._job.pending)
+
+    def choice(self, step: int) -> selection.Choice | None:
+        """Where this process reads `step` from (None: not viable, or, with
+        several processes, nothing of it readable here)."""
+        if not self.peers.many:
+            return self.viable().get(step)
+        with self._lock:
+            agreed = self._job.steps.get(step)
+            views = [v[step] for v in self._views.values() if step in v]
+            bad = frozenset(self._bad)
+        if agreed is None:
+            return None
+        return shares.readable(views, self.names, bad, step, agreed.save_id)
+
+    def agree(self, what: str, pending: set[int], errors: Sequence[str],
+              extra: dict | None = None) -> list[dict]:
+        """Exchanges this process's view with every other's (a collective) and
+        keeps what they decide together; returns every process's view."""
+        shared = {n for n, st in self._tiers if st.shared}
+        with self._lock:
+            obs, bad = self._observations(), frozenset(self._bad)
+            orbax = sorted(self._orbax)
+        # On a tier every process sees, each reports its own share (it knows
+        # its own commits; another's view of it may be older than the commit).
+        mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
+                                   or q == self.peers.index)
+        view = dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
+                    errors=list(errors), orbax=orbax, **(extra or {}))
+        views = self.peers.exchange(what, view)
+        job = JobView(views)
+        with self._lock:
+            self._job = job
+        return views
+
+    def forget(self, step: int) -> None:
+        """Drops a deleted step from the agreed view too (delete is collective)."""
+        with self._lock:
+            self._job.steps.pop(step, None)
+
+    def agreed_errors(self) -> list[tuple[int, str]]:
+        """(process, message) of background failures reported at the last agreement."""
+        with self._lock:
+            return list(self._job.errors)
 
     # ------------------------------------------------------------ metrics
 
@@ -163,7 +248,7 @@ class Catalog:
     def metrics_of(self, step: int) -> Any:
         if step in self.orbax_steps():
             return legacy.metrics(self._directory, self._naming, step)
-        c = self.viable().get(step)
+        c = self.choice(step)
         if c is not None:
             return c.manifest.metrics
         with self._lock:
@@ -174,6 +259,8 @@ class Catalog:
     def doomed(self, tier: str, keep: int | None, rule: Retention,
                pinned: frozenset[int]) -> list[int]:
         """The steps `tier` should delete now under `rule` and its `keep`."""
+        if self.peers.many:
+            return self._doomed_agreed(tier, keep, rule, pinned)
         with self._lock:
             own = dict(self._views.get(tier, {}))
             bad = frozenset(self._bad)
@@ -192,3 +279,31 @@ class Catalog:
             steps, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
             best_mode=rule.best_mode, metrics=metrics,
             keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected)
+
+    def _doomed_agreed(self, tier: str, keep: int | None, rule: Retention,
+                       pinned: frozenset[int]) -> list[int]:
+        """Retention from the agreed view, so every host keeps the same steps:
+        only steps the tier holds every share of take slots; the newest such
+        step and the newest viable one are kept. Leftovers this host holds of
+        steps older than every kept one (a save a peer never finished) go too,
+        which bounds a per-host tier."""
+        with self._lock:
+            job, own = self._job, set(self._views.get(tier, {}))
+        complete = job.complete_in(tier)
+        protected = frozenset(({max(job.steps)} if job.steps else set())
+                              | ({complete[-1]} if complete else set()))
+        metrics = {s: getattr(self.choice(s), "manifest", None) for s in complete}
+        doomed = set(retention.to_delete(
+            complete, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
+            best_mode=rule.best_mode,
+            metrics={s: m.metrics for s, m in metrics.items() if m is not None},
+            keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected))
+        kept = [s for s in complete if s not in doomed]
+        if keep is not None and kept:
+            doomed |= {s for s in own if s < kept[0] and s not in job.steps
+                       and s not in job.pending}
+        return sorted((doomed & own) - pinned)
+
+
+def _empty_view() -> dict:
+    return {"shares": [], "pending": [], "errors": [], "orbax": []}

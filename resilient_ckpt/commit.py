@@ -48,9 +48,11 @@ class TierWrite:
 
 def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Snapshot,
                header: dict, io: cf.Executor, encoding: Encoding | None = None,
-               on_commit: Callable[[mf.Manifest], None] | None = None) -> TierWrite:
-    """Writes `snap` to `storage` and commits it; raises on failure, after
-    removing what it wrote (never anything committed)."""
+               on_commit: Callable[[mf.Manifest], None] | None = None,
+               primary_only: bool = False) -> TierWrite:
+    """Writes `snap` (only its primary chunks, on a tier every host shares) to
+    `storage` and commits it; raises on failure, after removing what it wrote
+    (never anything committed)."""
     enc = encoding or Encoding()
 
     def put(i: int) -> mf.ChunkRecord:
@@ -65,20 +67,27 @@ def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Sna
 
     def manifest(stored: dict) -> mf.Manifest:
         return mf.Manifest(step=snap.step, save_id=snap.save_id,
-                           items=_with_stored(snap.manifest_items(), stored), **header)
-    keys = [c.key for c in snap.chunks]
-    return _commit(storage, tier, snap.step, d, keys, [(put, i) for i in range(len(keys))],
-                   manifest, io, on_commit, "host snapshot")
+                           items=_with_stored(snap.manifest_items(primary_only), stored),
+                           **header)
+    idx = snap.indices(primary_only)
+    return _commit(storage, tier, snap.step, d, [snap.chunks[i].key for i in idx],
+                   [(put, i) for i in idx], manifest, io, on_commit, "host snapshot")
 
 
 def copy_step(storage: Storage, tier: str, naming: layout.StepNaming, m: mf.Manifest,
               sources: list[tuple[str, Storage]], io: cf.Executor, encoding: Encoding,
-              on_commit: Callable[[mf.Manifest], None] | None = None) -> TierWrite:
-    """Copies one process's committed step `m` from the first of `sources`
-    (tier name, storage) whose copy of each chunk verifies, encoding on the way,
-    and commits it to `storage` under the same save; raises on failure, after
-    removing what it wrote. The devices are not read again."""
+              on_commit: Callable[[mf.Manifest], None] | None = None,
+              only: frozenset[str] | None = None) -> TierWrite:
+    """Copies one process's committed step `m` (only the chunks in `only`,
+    when given) from the first of `sources` (tier name, storage) whose copy of
+    each chunk verifies, encoding on the way, and commits it to `storage` under
+    the same save; raises on failure, after removing what it wrote. The devices
+    are not read again."""
     d = naming.name(m.step)
+    if only is not None:
+        m = dataclasses.replace(m, items=tuple(dataclasses.replace(it, leaves=tuple(
+            dataclasses.replace(lf, chunks=tuple(c for c in lf.chunks if c.key in only))
+            for lf in it.leaves)) for it in m.items))
     chunks = [c for _, _, c in m.chunks()]
     for c in chunks:
         if c.codec != "raw":

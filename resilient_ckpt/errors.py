@@ -51,3 +51,9 @@ class SaveFailedError(CheckpointError, RuntimeError):
 class RecoveryFailedError(CheckpointError, RuntimeError):
     """The elastic loop gave up: its retry policy ran out of attempts or of time
     waiting for healthy devices. The message lists every attempt."""
+
+
+class AgreementError(CheckpointError, TimeoutError):
+    """The processes of a job could not agree: a peer did not answer in time
+    (it is gone, or it did not make the same collective call). The message
+    names the process and the call."""

@@ -23,8 +23,10 @@ from typing import Any
 from etils import epath
 
 from . import args as args_lib, commit, legacy, metadata, retention
+from .agree import Peers
 from .catalog import Catalog
-from .errors import CorruptCheckpointError, StepAlreadyExistsError, StepNotFoundError
+from .coordination import Coordinator
+from .errors import StepAlreadyExistsError, StepNotFoundError
 from .layout import StepNaming
 from .options import CheckpointManagerOptions, resolve
 from .restore import RestoreRecord, restore_choice
@@ -55,12 +57,15 @@ class CheckpointManager:
         self.catalog = Catalog([(t.name, storages[t.name]) for t in plan.tiers], plan.naming,
                                str(self._directory),
                                next((s for s in storages.values()
-                                     if getattr(s, "root", None) == home), None))
+                                     if getattr(s, "root", None) == home), None),
+                               Peers(str(self._directory), o.agreement_timeout_s))
         self._saver = Saver(plan, storages, self.catalog, o.io_threads,
                             o.host_memory_budget, o.over_budget)
+        self._coord = Coordinator(self.catalog, self._saver, str(self._directory))
         self.save_records: collections.deque = collections.deque(maxlen=256)
         self.restore_records: collections.deque = collections.deque(maxlen=64)
-        self.reload()
+        self.catalog.reload()
+        self._coord.open(plan.writable)
         self._cleanup = None
         if o.cleanup_tmp_directories and not o.read_only:
             self._cleanup = threading.Thread(target=self._clean, name="rc-cleanup", daemon=True)
@@ -92,14 +97,16 @@ class CheckpointManager:
         return list(self._saver.tiers)
 
     def reload(self) -> None:
-        """Re-reads every tier (steps written by other processes appear)."""
+        """Re-reads every tier (steps written by other processes appear); with
+        several processes, a collective."""
         self.catalog.reload()
+        self._coord.refresh("reload")
 
     def all_steps(self, read: bool = False) -> list[int]:
         """Committed viable steps and steps whose save is still in flight."""
         if read:
             self.reload()
-        return sorted(set(self.catalog.viable()) | self._saver.pending()
+        return sorted(self.catalog.steps() | self._coord.in_flight()
                       | self.catalog.orbax_steps())
 
     def latest_step(self) -> int | None:
@@ -142,7 +149,8 @@ class CheckpointManager:
         """Snapshots the state to host memory and writes it to every due tier in
         the background. Returns whether a save was started."""
         del save_kwargs
-        self._saver.raise_errors()
+        if not self.catalog.peers.many:
+            self._saver.raise_errors()
         if args is None and items is None:
             raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
         if args is None:
@@ -159,8 +167,9 @@ class CheckpointManager:
                 f"step {step} already exists in {self._directory}; delete it first "
                 "or save another step")
         due = self._due_tiers(step) if not force else list(self._saver.tiers)
+        save_id = self._coord.start_save(step)
         self.save_records.append(
-            self._saver.start(step, due, item_list, metrics, custom_metadata))
+            self._saver.start(step, due, item_list, metrics, custom_metadata, save_id))
         if not self._options.enable_async_checkpointing:
             self.wait_until_finished()
         return True
@@ -172,9 +181,9 @@ class CheckpointManager:
         self._saver.raise_errors()
 
     def wait_until_finished(self) -> None:
-        """Blocks until every background write has finished; raises failures."""
-        self._saver.wait_all()
-        self._saver.raise_errors()
+        """Blocks until every background write has finished; raises failures
+        (with several processes, a collective: any process's, on every one)."""
+        self._coord.finish()
 
     def is_saving_in_progress(self) -> bool:
         return bool(self._saver.pending())
@@ -195,6 +204,7 @@ class CheckpointManager:
         for t in self._saver.tiers:
             self.catalog.delete(t.name, t.storage, step)
         self.catalog.forget_in_flight(step)
+        self.catalog.forget(step)
 
     # ------------------------------------------------------------ restore
 
@@ -214,16 +224,17 @@ class CheckpointManager:
             import orbax.checkpoint as ocp
             args = ocp.args.StandardRestore(items)
         requests, is_composite = args_lib.restore_requests(args)
-        self._saver.wait_for_restore(step, lambda s: s in self.catalog.viable())
-        ours, orbax = self.catalog.viable(), self.catalog.orbax_steps()
+        self._saver.wait_for_restore(step, lambda s: s in self.catalog.steps())
+        self._coord.refresh("restore")
+        ours, orbax = self.catalog.steps(), self.catalog.orbax_steps()
         orbax_newest = max(orbax, default=None)
         d, naming = str(self._directory), self._plan.naming
         if step is None and orbax_newest is not None and orbax_newest > max(ours, default=-1):
             return legacy.restore(d, naming, orbax_newest, args)
         if step is not None and step not in ours and step in orbax:
             return legacy.restore(d, naming, step, args)
-        while True:
-            chosen = _choose(self.catalog, step, self._directory)
+
+        def attempt(chosen: Choice) -> Any:
             record = RestoreRecord(chosen.step)
             bad = self.catalog.bad()
             try:
@@ -231,18 +242,13 @@ class CheckpointManager:
                                      is_composite, record, bad,
                                      self._options.restore_memory_budget,
                                      self._options.progress)
-            except CorruptCheckpointError as e:
-                if step is not None:
-                    raise
-                log.warning("step %d is not restorable (%s); falling back to the next "
-                            "older viable step", chosen.step, e)
-                continue
             finally:
                 self.catalog.add_bad(bad)
                 for msg in record.fallbacks:
                     log.warning("%s", msg)
             self.restore_records.append(record)
             return out
+        return self._coord.restore(step, attempt)
 
     @property
     def last_restore(self) -> RestoreRecord | None:
@@ -257,7 +263,7 @@ class CheckpointManager:
         if step is None:
             return metadata.RootMetadata({})
         self._saver.wait_step(step)
-        c = self.catalog.viable().get(step)
+        c = self.catalog.choice(step)
         if c is None and step in self.catalog.orbax_steps():
             return legacy.metadata(str(self._directory), self._plan.naming, step)
         if c is None:
@@ -279,25 +285,6 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _choose(catalog: Catalog, step: int | None, directory: Any) -> Choice:
-    """The choice for `step` (None: the newest viable), or the error that says why not."""
-    choices = catalog.viable()
-    if step is None:
-        if not choices:
-            raise StepNotFoundError(f"no viable step in {directory} "
-                                    f"(tiers: {catalog.names})")
-        return choices[max(choices)]
-    if step not in choices:
-        if step in catalog.viable_if_intact():
-            raise CorruptCheckpointError(
-                f"step {step} in {directory} failed checksum verification "
-                f"in every tier; restore an older step (viable: {sorted(choices)})")
-        raise StepNotFoundError(
-            f"step {step} has no viable copy in any tier of {directory}; "
-            f"viable steps: {sorted(choices)}")
-    return choices[step]
 
 
 def _due(tiers: list[Tier], o: CheckpointManagerOptions, step: int, latest: int | None,

@@ -35,6 +35,10 @@ class CheckpointManagerOptions:
     snapshot is written; `"skip"` first cancels the queued, not yet started
     writes of older steps (the newer step supersedes them; recorded in their
     SaveRecord), and waits only if that frees too little.
+    `agreement_timeout_s`: with several processes, how long a collective call
+    (save, restore, reload, wait_until_finished) waits for the slowest peer
+    before it raises AgreementError naming it (a restore from a slow tier on
+    one host delays the others' by as much).
     """
 
     save_interval_steps: int = 1
@@ -57,6 +61,7 @@ class CheckpointManagerOptions:
     io_threads: int = 8
     restore_memory_budget: int = 256 * 1024 * 1024
     progress: bool = False
+    agreement_timeout_s: float = 600.0
 
     def __post_init__(self):
         if self.best_mode not in ("min", "max"):
@@ -102,6 +107,7 @@ class TierPlan:
     keep: int | None  # steps kept (None: all)
     encoding: Encoding
     own_io: int | None  # threads of a pool of its own (GCS), or None: the shared pool
+    replicas: bool = False  # on a per-host tier: keep every shard this host holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +143,8 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
         gcs = t if isinstance(t, GcsTier) else None
         tiers.append(TierPlan(name, t, every, keep,
                               Encoding(gcs.codec, gcs.level) if gcs else Encoding(),
-                              gcs.concurrency if gcs else None))
+                              gcs.concurrency if gcs else None,
+                              replicas=isinstance(t, RamTier) and t.replicas))
     return Plan(directory, tuple(tiers),
                 StepNaming(o.step_prefix, o.step_format_fixed_length),
                 Retention(o.keep_period, o.best_fn, o.best_mode,

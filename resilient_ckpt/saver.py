@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -252,13 +251,15 @@ class Saver:
     # ------------------------------------------------------------ starting a save
 
     def start(self, step: int, due: list[Tier], items: list, metrics: Any,
-              custom_metadata: Any) -> SaveRecord:
-        """Snapshots `items` and queues the writes to the `due` tiers."""
+              custom_metadata: Any, save_id: str) -> SaveRecord:
+        """Snapshots `items` and queues the writes to the `due` tiers under
+        `save_id` (the same on every process)."""
         tiers, feeds = self._route(due)
         rec = SaveRecord(step)
         t0 = time.perf_counter()
-        save_id = _shared_save_id()
-        records, sources = snapshot.describe_items(items, save_id, jax.process_index())
+        replicas = any(_keeps_replicas(t) for t in tiers)
+        records, sources = snapshot.describe_items(items, save_id, jax.process_index(),
+                                                   replicas)
         need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
         self._flying.reserve(need, rec)
         try:
@@ -318,7 +319,8 @@ class Saver:
         flight.rec.tiers[t.name] = commit.write_step(
             t.storage, t.name, self._plan.naming, flight.snap, flight.header, t.io,
             encoding=t.plan.encoding,
-            on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
+            on_commit=lambda m: self._catalog.committed(t.name, t.storage, m),
+            primary_only=not _keeps_replicas(t))
         return True
 
     def _upload(self, t: Tier, flight: _Flight, feeds: list) -> None:
@@ -355,7 +357,9 @@ class Saver:
         flight.rec.tiers[t.name] = commit.copy_step(
             t.storage, t.name, self._plan.naming, mine[0],
             [(n, self.tier(n).storage) for n in done], t.io, t.plan.encoding,
-            on_commit=lambda m: self._catalog.committed(t.name, t.storage, m))
+            on_commit=lambda m: self._catalog.committed(t.name, t.storage, m),
+            only=None if _keeps_replicas(t) else frozenset(
+                c.key for c in snap.chunks if c.primary))
 
     def _failed(self, t: Tier, step: int, e: BaseException, rec: SaveRecord) -> None:
         rec.tiers[t.name] = TierWrite(t.name, step, False, 0.0, 0, str(e))
@@ -414,6 +418,23 @@ class Saver:
                 return
             cf.wait(futures)
 
+    def take_errors(self) -> list[BaseException]:
+        """The background failures not yet raised (they will not be raised again)."""
+        with self._errors_lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def run_retention(self) -> list[cf.Future]:
+        """Applies every tier's retention again, each on its tier's worker
+        (after an agreement changed what the tiers may delete)."""
+        futures = []
+        for t in self.tiers:
+            try:
+                futures.append(t.worker.submit(self._retention_job, t))
+            except RuntimeError:
+                break  # closing
+        return futures
+
     def raise_errors(self) -> None:
         """Raises the first background failure not yet raised (logs the rest)."""
         with self._errors_lock:
@@ -442,12 +463,7 @@ def _ok(rec: SaveRecord, tier: str) -> bool:
     return tw is not None and tw.ok
 
 
-def _shared_save_id() -> str:
-    """A fresh save id, the same on every process of the job (process 0's)."""
-    sid = uuid.uuid4()
-    if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-        raw = np.frombuffer(sid.bytes, dtype=np.uint8)
-        sid = uuid.UUID(bytes=bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))))
-    return sid.hex
+def _keeps_replicas(t: Tier) -> bool:
+    """Whether `t` keeps every shard this host holds (a per-host tier asked to),
+    not only the ones it writes for the job."""
+    return t.plan.replicas and not t.storage.shared

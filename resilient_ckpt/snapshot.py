@@ -72,6 +72,7 @@ class SnapChunk:
     crc: int | None = None
     block_bytes: int = 0
     blocks: tuple[int, ...] = ()
+    primary: bool = True  # written for the job; False: a copy kept for this host only
 
 
 @dataclasses.dataclass
@@ -107,10 +108,15 @@ class Snapshot:
         n = int(c.data.nbytes)
         return ChunkRecord(c.offsets, c.sizes, c.key, n, n, crc, "raw", c.block_bytes, c.blocks)
 
-    def manifest_items(self) -> tuple[ItemRecord, ...]:
+    def indices(self, primary_only: bool) -> list[int]:
+        """The chunks a tier writes: all, or only the primary ones."""
+        return [i for i, c in enumerate(self.chunks) if c.primary or not primary_only]
+
+    def manifest_items(self, primary_only: bool = False) -> tuple[ItemRecord, ...]:
         """Item records with this snapshot's chunks (checksums computed)."""
         per_leaf: dict[tuple[int, int], list[ChunkRecord]] = {}
-        for i, c in enumerate(self.chunks):
+        for i in self.indices(primary_only):
+            c = self.chunks[i]
             per_leaf.setdefault((c.item, c.leaf), []).append(self.record(i))
         out = []
         for ii, it in enumerate(self.items):
@@ -124,10 +130,17 @@ def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
-def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_index: int
-                   ) -> tuple[list[ItemRecord], list[tuple[int, int, tuple, str, Any]]]:
+def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_index: int,
+                   replicas: bool = False
+                   ) -> tuple[list[ItemRecord], list[tuple[int, int, tuple, str, Any, bool]]]:
     """Leaf records for (name, kind, value) items, and the chunk sources this
-    process must copy: (item, leaf, box, key, source)."""
+    process must copy: (item, leaf, box, key, source, primary).
+
+    Primary sources are the boxes this process writes for the job (replica 0
+    of each box; numpy leaves on process 0). With `replicas`, also one copy of
+    every other box its devices hold (and the numpy leaves), for tiers that
+    keep what each host holds, so a host restores its own shards alone.
+    """
     records, sources = [], []
     for ii, (name, kind, value) in enumerate(items):
         if kind == "json":
@@ -143,17 +156,25 @@ def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_inde
                                          describe(data.sharding), impl))
                 shards = {(index_to_box(s.index, data.shape), s.replica_id): s
                           for s in data.addressable_shards}
-                for box in unique_boxes(shards):
+                primary = unique_boxes(shards)
+                for box in primary:
                     key = f"{save_id[:8]}." + layout.chunk_key(ii, li, box[0])
-                    sources.append((ii, li, box, key, shards[(box, 0)].data))
+                    sources.append((ii, li, box, key, shards[(box, 0)].data, True))
+                if replicas:
+                    held: dict[tuple, int] = {}  # box -> its lowest replica held here
+                    for b, r in shards:
+                        held[b] = min(r, held.get(b, r))
+                    for box in [b for b in held if b not in set(primary)]:
+                        key = f"{save_id[:8]}." + layout.chunk_key(ii, li, box[0])
+                        sources.append((ii, li, box, key, shards[(box, held[box])].data, False))
             elif k in ("numpy", "numpy_scalar"):
                 # ascontiguousarray makes 0-d arrays 1-d; keep the leaf's own shape.
                 arr = np.ascontiguousarray(leaf).reshape(np.shape(leaf))
                 leaves.append(LeafRecord(path, k, tuple(arr.shape), _dtype_name(arr.dtype)))
-                if process_index == 0:
+                if process_index == 0 or replicas:
                     box = (tuple(0 for _ in arr.shape), tuple(arr.shape))
                     key = f"{save_id[:8]}." + layout.chunk_key(ii, li, box[0])
-                    sources.append((ii, li, box, key, arr))
+                    sources.append((ii, li, box, key, arr, process_index == 0))
             elif k == "scalar":
                 leaves.append(LeafRecord(path, k, value=encode_scalar(leaf)))
             else:
@@ -170,21 +191,21 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
          executor: cf.Executor | None) -> Snapshot:
     """Copies every source into one pooled slab; returns when the copy is done."""
     sizes = [int(np.prod(box[1], dtype=np.int64)) * np.dtype(src.dtype).itemsize
-             for _, _, box, _, src in sources]
+             for _, _, box, _, src, _ in sources]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
-    for *_, src in sources:  # start every device-to-host transfer before waiting
+    for *_, src, _ in sources:  # start every device-to-host transfer before waiting
         if isinstance(src, jax.Array):
             src.copy_to_host_async()
     slab = pool.take(total) if total else None
     flat = np.frombuffer(slab, dtype=np.uint8) if slab is not None else None
     chunks = []
-    for (ii, li, box, key, src), off, n in zip(sources, offsets, sizes, strict=True):
+    for (ii, li, box, key, src, primary), off, n in zip(sources, offsets, sizes, strict=True):
         chunks.append(SnapChunk(ii, li, box[0], box[1], key, flat[off:off + n]
                                 if flat is not None else np.zeros(0, np.uint8),
-                                np.dtype(src.dtype).itemsize))
+                                np.dtype(src.dtype).itemsize, primary=primary))
 
     def copy(i: int) -> None:
         np.copyto(chunks[i].data, _as_bytes(np.asarray(sources[i][4])))

@@ -22,11 +22,20 @@ SHM = "/dev/shm"
 
 @dataclasses.dataclass(frozen=True)
 class RamTier:
-    """Host RAM (tmpfs). `every`: save interval in steps; `keep`: steps kept."""
+    """Host RAM (tmpfs). `every`: save interval in steps; `keep`: steps kept.
+
+    `replicas`: with several processes, each host keeps every shard its devices
+    hold, data-parallel replicas included, not only the ones it writes for the
+    job: its own RAM then restores its part of the state alone, and a lost
+    host's replicated shards still exist in its peers' RAM. It costs host
+    memory for each replica a host holds; one process holds no replica it
+    does not also write, so there it changes nothing.
+    """
 
     every: int = 1
     keep: int | None = 2
     path: str | None = None  # default: /dev/shm/resilient_ckpt/<hash of the directory>
+    replicas: bool = True
     kind = "ram"
     rank = 0  # tier order: fastest first
 

@@ -1,0 +1,291 @@
+"""Multi-host save and restore: 2 processes x 4 CPU devices forming one JAX job.
+
+Each process is a simulated host (tests/_multihost.py starts the job: local
+processes joined by jax.distributed on 127.0.0.1). The mesh is (replica=2,
+data=2, model=2), one replica per process, so that Orbax's emergency manager,
+which needs data-parallel replicas, runs on the very same state: leaves
+sharded P("data", "model"), P(None, "model") and P("data", None) inside a
+replica, replicated across the two hosts; a scalar step and a typed PRNG key.
+Every restore runs in a fresh job and is checked bit for bit.
+
+Systems, interleaved within each repeat (a fresh directory set each):
+
+- resilient_ckpt: a RamTier per host (/dev/shm/.../ram<pid>, every step, keep 2)
+  and a shared LocalTier (every 3rd step, keep 2);
+- orbax: orbax.checkpoint.CheckpointManager on the shared directory (every
+  step, keep 2);
+- orbax_emergency: Orbax's emergency CheckpointManager, a local directory per
+  host under /dev/shm (every step, keep 2) and the shared directory as the
+  persistent one (every 3rd step, keep 2).
+
+Cases (times are the slowest process's, after a barrier):
+
+- save_blocking: steps 1-4 are saved, each followed by wait_until_finished
+  (not timed); a run is the mean time save() blocked over steps 2-4;
+- restore_latest: a fresh job restores the newest step (ours: step 4 is on the
+  RAM tiers only; emergency: its local copy, broadcast to the other replica;
+  orbax: the shared directory, warm page cache);
+- restore_lost_host (ours, emergency): in the same fresh job, host 1 then
+  loses its host-local directory (RAM tier / emergency local directory), a new
+  manager is opened and the newest viable step restored again. For ours the
+  line gives the bytes read from the shared local tier and host 1's share (the
+  bytes of its own addressable shards: what it must get from somewhere).
+
+Summary (a key ends in the size, e.g. _64mb):
+
+- restore_ram_speedup_vs_orbax_emergency: emergency's restore_latest time over
+  ours (> 1: we are faster); goal >= 4;
+- save_blocking_vs_orbax: ours over Orbax's (< 1: we block less); goal <= 1;
+- lost_host_shared_bytes_vs_lost_share: bytes ours read from the shared tier
+  after host 1 lost its RAM tier, over host 1's share; 1 is "host 1 read its
+  share from the shared tier", 0 the ideal with replicas on peers (its share
+  fetched from host 0's RAM); goal <= 1.05 (without replicas).
+
+Where a system fails (today: ours with replicated state across hosts), its
+line carries "error" and the remaining runs go on.
+
+Output (docs/bench_contract.md): JSON lines on stdout, the summary last; logs on stderr.
+
+    python bench/multihost.py             # 1 GB state, 3 repeats
+    python bench/multihost.py --quick     # 64 MB, 2 repeats
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+from _common import bench_parser, emit, emit_summary, parse_options, size_label
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from _multihost import describe, run_job  # noqa: E402  (the test harness starts the jobs)
+
+BENCH = "multihost"
+NPROCS, DEVICES = 2, 4
+MESH = "2,2,2"
+SYSTEMS = ("resilient_ckpt", "orbax", "orbax_emergency")
+GOALS = {
+    "restore_ram_speedup_vs_orbax_emergency": (">=", 4.0),
+    "save_blocking_vs_orbax": ("<=", 1.0),
+    "lost_host_shared_bytes_vs_lost_share": ("<=", 1.05),
+}
+
+WORKER = r'''
+import argparse, collections, os, shutil, sys, time
+import mh
+ctx = mh.init(sys.argv)
+p = argparse.ArgumentParser()
+p.add_argument("--system", required=True)
+p.add_argument("--phase", required=True, choices=["save", "restore"])
+p.add_argument("--steps", type=int, default=4)
+p.add_argument("--lose", action="store_true")
+o = p.parse_args(ctx.extra)
+
+
+def manager(abstract):
+    if o.system == "resilient_ckpt":
+        return mh.ours(ctx, ram_every=1, ram_keep=2, local_every=3, local_keep=2)
+    if o.system == "orbax":
+        return mh.orbax(ctx, every=1, keep=2)
+    return mh.orbax_emergency(ctx, ctx.ram, ctx.dir, abstract, local_every=1, local_keep=2,
+                              persistent_every=3, persistent_keep=2)
+
+
+def save_args(state):
+    import orbax.checkpoint as ocp
+    if o.system == "resilient_ckpt":
+        return ocp.args.StandardSave(state)
+    if o.system == "orbax":
+        return ocp.args.StandardSave(mh.orbax_state(state))
+    return ocp.args.Composite(state=ocp.args.PyTreeSave(mh.orbax_state(state)))
+
+
+def restore(mngr, abstract):
+    import orbax.checkpoint as ocp
+    out = {"latest": mngr.latest_step()}
+    mh.barrier("restore-start")
+    t = time.perf_counter()
+    if o.system == "resilient_ckpt":
+        state = mngr.restore(None, args=ocp.args.StandardRestore(abstract))
+        rec = mngr.last_restore
+        out["step"] = rec.step
+        out["bytes_by_tier"] = {k: int(v) for k, v in rec.bytes_by_tier.items()}
+    elif o.system == "orbax":
+        state = mh.from_orbax(mngr.restore(
+            out["latest"], args=ocp.args.StandardRestore(mh.orbax_abstract(abstract))))
+        out["step"] = out["latest"]
+    else:
+        state = mh.from_orbax(mngr.restore(out["latest"]).state)
+        out["step"] = out["latest"]
+    import jax
+    jax.block_until_ready(state)
+    out["seconds"] = time.perf_counter() - t
+    out["mismatches"] = len(ctx.check_exact(state, out["step"]))
+    del state
+    return out
+
+
+def run(ctx):
+    import jax
+    abstract = ctx.abstract()
+    out = {"pid": ctx.pid, "target_bytes": ctx.target_bytes(abstract)}
+    if o.phase == "save":
+        mngr = manager(abstract)
+        state = ctx.initial_state()
+        times = []
+        for k in range(1, o.steps + 1):
+            state = jax.block_until_ready(ctx.train_step(state, k))
+            mh.barrier(f"save-{k}")
+            t = time.perf_counter()
+            mngr.save(k, args=save_args(state))
+            times.append(time.perf_counter() - t)
+            mngr.wait_until_finished()
+        mh.barrier("saved")
+        out["save_s"] = times
+        mngr.close()
+        mh.report(out)
+        return
+    mngr = manager(abstract)
+    out["restore"] = restore(mngr, abstract)
+    if o.lose:
+        mngr.close()
+        mh.barrier("lose")
+        if ctx.pid == 1:  # host 1 lost what it held locally
+            shutil.rmtree(ctx.ram, ignore_errors=True)
+            if o.system == "orbax_emergency":
+                os.makedirs(ctx.ram)  # its manager wants the directory to exist
+        mh.barrier("lost")
+        mngr = manager(abstract)
+        out["lost"] = restore(mngr, abstract)
+    mngr.close()
+    mh.report(out)
+
+
+mh.main(run, ctx)
+'''
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"multihost: {msg}\n")
+    sys.stderr.flush()
+
+
+def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool = False):
+    """One 2-process job; returns (reports per process, error or None)."""
+    args = ["--dir", os.path.join(workdir, "shared"), "--ram", os.path.join(shm, "ram{pid}"),
+            "--mesh", MESH, "--state-bytes", str(nbytes), "--system", system,
+            "--phase", phase] + (["--lose"] if lose else [])
+    timeout = 120 + nbytes / 5e6  # a generous bound: 1 GB gets 5+ minutes
+    try:
+        res = run_job(WORKER, NPROCS, DEVICES, args, timeout_s=timeout, fail_fast_s=15)
+    except AssertionError as e:  # the harness's hard timeout
+        return None, f"timeout: {str(e)[:1500]}"
+    reports = [r.last("pid") for r in res]
+    errors = [r.last("error") for r in res if r.last("error")]
+    if errors:
+        return reports, errors[0]["error"][-1500:]
+    if not all(r.ok for r in res) or not all(reports):
+        return reports, describe(res, 1200)[-2500:]
+    return reports, None
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__, sizes="1GB", quick_sizes="64MB", repeats=3, quick_repeats=2)
+    a = parse_options(ap, argv)
+    summary: dict = {}
+    for nbytes in a.sizes:
+        label = size_label(nbytes)
+        runs = {(s, c): [] for s in SYSTEMS
+                for c in ("save_blocking", "restore_latest", "restore_lost_host")}
+        extra = {k: [] for k in runs}
+        errors = {k: [] for k in runs}
+        for rep in range(a.repeats):
+            for system in SYSTEMS:
+                workdir = tempfile.mkdtemp(prefix=f"rc-bench-mh-{system}-")
+                shm = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                                       prefix="rc-bench-mh-")
+                os.makedirs(os.path.join(workdir, "shared"))
+                try:
+                    log(f"{label} repeat {rep + 1}/{a.repeats}: {system} save")
+                    reports, err = job(workdir, shm, system, "save", nbytes)
+                    if err:
+                        errors[(system, "save_blocking")].append(err)
+                        for c in ("restore_latest", "restore_lost_host"):
+                            errors[(system, c)].append("no checkpoint: the save job failed")
+                        continue
+                    blocked = [statistics.mean(r["save_s"][1:]) for r in reports]
+                    runs[(system, "save_blocking")].append(max(blocked))
+                    extra[(system, "save_blocking")].append(
+                        {"per_save_s": [round(max(x), 4) for x in
+                                        zip(*(r["save_s"] for r in reports), strict=True)]})
+                    lose = system != "orbax"
+                    log(f"{label} repeat {rep + 1}/{a.repeats}: {system} restore")
+                    reports, err = job(workdir, shm, system, "restore", nbytes, lose=lose)
+                    if err:
+                        errors[(system, "restore_latest")].append(err)
+                        if lose:
+                            errors[(system, "restore_lost_host")].append(err)
+                        continue
+                    for case, key in (("restore_latest", "restore"),
+                                      ("restore_lost_host", "lost")):
+                        if key not in reports[0]:
+                            continue
+                        rs = [r[key] for r in reports]
+                        steps = [r["step"] for r in rs]
+                        info = {"steps": steps, "agree": len(set(steps)) == 1,
+                                "exact": all(r["mismatches"] == 0 for r in rs)}
+                        if system == "resilient_ckpt":
+                            info["bytes_by_tier"] = [r.get("bytes_by_tier") for r in rs]
+                            info["shared_bytes"] = sum(
+                                r.get("bytes_by_tier", {}).get("local", 0) for r in rs)
+                            info["lost_share"] = reports[1]["target_bytes"]
+                        extra[(system, case)].append(info)
+                        if not (info["agree"] and info["exact"]):
+                            errors[(system, case)].append(
+                                f"processes restored steps {steps}, exact: {info['exact']}")
+                            continue
+                        runs[(system, case)].append(max(r["seconds"] for r in rs))
+                finally:
+                    shutil.rmtree(workdir, ignore_errors=True)
+                    shutil.rmtree(shm, ignore_errors=True)
+        medians = {}
+        for (system, case), xs in runs.items():
+            if system == "orbax" and case == "restore_lost_host":
+                continue  # nothing host-local to lose
+            line = {"bench": BENCH, "system": system, "case": case, "bytes": nbytes,
+                    "size": label, "processes": NPROCS, "devices": NPROCS * DEVICES,
+                    "mesh": "replica=2,data=2,model=2",
+                    "runs_s": [round(x, 4) for x in xs], "median_s": _median(xs)}
+            if extra[(system, case)]:
+                line["runs"] = extra[(system, case)]
+            if errors[(system, case)]:
+                line["error"] = errors[(system, case)][0]
+                line["errors"] = len(errors[(system, case)])
+            medians[(system, case)] = line["median_s"]
+            emit(line)
+        ours_r = medians.get(("resilient_ckpt", "restore_latest"))
+        em_r = medians.get(("orbax_emergency", "restore_latest"))
+        summary[f"restore_ram_speedup_vs_orbax_emergency_{label}"] = (
+            round(em_r / ours_r, 3) if ours_r and em_r else None)
+        ours_s = medians.get(("resilient_ckpt", "save_blocking"))
+        ob_s = medians.get(("orbax", "save_blocking"))
+        summary[f"save_blocking_vs_orbax_{label}"] = (
+            round(ours_s / ob_s, 3) if ours_s and ob_s else None)
+        lost = [i for i in extra[("resilient_ckpt", "restore_lost_host")]
+                if i["agree"] and i["exact"]]
+        ratios = [i["shared_bytes"] / i["lost_share"] for i in lost if i["lost_share"]]
+        summary[f"lost_host_shared_bytes_vs_lost_share_{label}"] = (
+            round(statistics.median(ratios), 4) if ratios else None)
+    emit_summary(BENCH, summary, GOALS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

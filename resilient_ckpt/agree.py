@@ -1,0 +1,84 @@
+"""Agreement between the processes of a job: one exchange of small views.
+
+Every decision that must be the same on every process (which steps exist,
+which one to restore, whether a restore worked, whether a save failed
+anywhere) is made from the same exchanged data: each process puts its own
+small JSON view in the `jax.distributed` key-value store under a key of this
+round, then reads every other process's, with a timeout. A process that does
+not answer in time raises `AgreementError` naming it, on every process that
+waited, instead of a hang or a divergent branch.
+
+Rounds are numbered per manager; the managers of one directory are told apart
+by the order in which processes opened them (an atomic counter in the store),
+so every process must open managers and call their collective methods in the
+same order, as with Orbax. A process deletes its key of a round once it has
+read every key of the next one (by then every process has read it).
+With one process there is nothing to exchange and no store is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+
+from .errors import AgreementError
+
+_ROOT = "resilient_ckpt"
+
+
+class Peers:
+    """This process's place in the job, and `exchange` among all of it."""
+
+    def __init__(self, directory: str, timeout_s: float = 600.0):
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.timeout_s = timeout_s
+        self._client: Any = None
+        self._round = 0
+        self.token = "solo"  # names this manager's keys (and probe files) in the job
+        if self.count > 1:
+            from jax._src import distributed
+            self._client = distributed.global_state.client
+            if self._client is None:
+                raise AgreementError(
+                    f"{self.count} processes but no jax.distributed client: call "
+                    "jax.distributed.initialize() before opening a CheckpointManager")
+            digest = hashlib.sha256(directory.encode()).hexdigest()[:16]
+            opened = self._client.key_value_increment(f"{_ROOT}/open/{digest}", 1)
+            self.token = f"{digest}.{(int(opened) - 1) // self.count}"
+
+    @property
+    def many(self) -> bool:
+        return self.count > 1
+
+    def exchange(self, what: str, view: Any) -> list[Any]:
+        """Every process's `view` (JSON-able), indexed by process; a collective."""
+        if not self.many:
+            return [view]
+        k = self._round
+        self._round += 1
+        prefix = f"{_ROOT}/x/{self.token}/{k}/"
+        self._client.key_value_set(prefix + str(self.index), json.dumps(view))
+        out: list[Any] = []
+        for q in range(self.count):
+            if q == self.index:
+                out.append(view)
+                continue
+            try:
+                raw = self._client.blocking_key_value_get(prefix + str(q),
+                                                          int(self.timeout_s * 1000))
+            except Exception as e:  # noqa: BLE001 - the client's errors are untyped
+                raise AgreementError(
+                    f"process {q} of {self.count} did not answer within {self.timeout_s:g} s "
+                    f"at {what} (round {k}): it is gone, or it did not make the same call; "
+                    "every process must call save, restore, reload and "
+                    "wait_until_finished in the same order") from e
+            out.append(json.loads(raw))
+        if k:
+            self._client.key_value_delete(f"{_ROOT}/x/{self.token}/{k - 1}/{self.index}")
+        return out
+
+    def first(self, what: str, view: Any) -> Any:
+        """Process 0's `view`, on every process (a collective)."""
+        return self.exchange(what, view)[0]

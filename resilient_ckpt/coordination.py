@@ -1,0 +1,212 @@
+"""The collective points of a job of several processes: who decides, who waits.
+
+With one process every method here is a thin pass-through. With several,
+each is a collective every process makes at the same point of its program,
+and every branch after it is taken from the same exchanged data:
+- `open`: which file tiers every process sees (one directory for all, so
+  only process 0 deletes and cleans there, and only the job's shards are
+  written there) and which each has its own of (RAM, a local SSD);
+- `start_save`: the save id (process 0's), background failures anywhere
+  (raised on every process), the views retention then decides from;
+- `finish` (`wait_until_finished`): failures anywhere, raised everywhere;
+- `restore`: the candidate steps, and after each attempt whether every
+  process restored its part; if any could not, all move to the next older
+  step together (or all raise, for an explicit step or a bug).
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .catalog import Catalog
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    SaveFailedError,
+    StepNotFoundError,
+    StorageError,
+    TargetMismatchError,
+)
+from .saver import Saver
+from .selection import Choice
+
+log = logging.getLogger("resilient_ckpt")
+
+
+class Coordinator:
+    """The manager's collective points (see the module docstring)."""
+
+    def __init__(self, catalog: Catalog, saver: Saver, directory: str):
+        self._catalog, self._saver, self._directory = catalog, saver, directory
+        self.peers = catalog.peers
+        self._started: set[int] = set()  # steps saved since the last agreement
+
+    def in_flight(self) -> set[int]:
+        """Steps being written: this process's, or with several processes the
+        ones any process was writing at the last agreement or started since."""
+        if not self.peers.many:
+            return self._saver.pending()
+        return self._catalog.pending_anywhere() | self._started
+
+    def _agree(self, what: str, extra: dict | None = None, failures: bool = True
+               ) -> list[dict]:
+        """One agreement; with `failures`, background failures anywhere are
+        handed over and raised on every process (else they wait for the next)."""
+        errors = self._saver.take_errors() if failures else []
+        views = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
+                                    extra)
+        self._started.clear()
+        failed = self._catalog.agreed_errors()
+        if failed:
+            if errors:
+                raise errors[0]
+            q, msg = failed[0]
+            raise SaveFailedError(f"process {q} of {self.peers.count} failed a background "
+                                  f"save of {self._directory}: {msg}")
+        return views
+
+    # ------------------------------------------------------------ collectives
+
+    def open(self, writable: bool) -> None:
+        """Tells shared tiers from per-host ones, then agrees on what exists."""
+        if self.peers.many:
+            if writable:
+                self._classify_tiers()
+            self._agree("open", failures=False)
+
+    def refresh(self, what: str) -> None:
+        """Agrees on what exists again (reload, restore)."""
+        if self.peers.many:
+            self._agree(what, failures=False)
+
+    def start_save(self, step: int) -> str:
+        """The id of a save of `step`, the same on every process."""
+        if not self.peers.many:
+            self._saver.raise_errors()
+            return uuid.uuid4().hex
+        views = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex})
+        self._saver.run_retention()
+        self._started.add(step)
+        return str(views[0]["save_id"])
+
+    def finish(self) -> None:
+        """Waits for every background write here, then (with several processes)
+        raises on every process a failure any of them had."""
+        self._saver.wait_all()
+        if self.peers.many:
+            self._agree("wait_until_finished")
+            futures.wait(self._saver.run_retention())
+            self._agree("wait_until_finished (after retention)", failures=False)
+        self._saver.raise_errors()
+
+    def restore(self, step: int | None, attempt: Callable[[Choice], Any]) -> Any:
+        """Restores `step` (None: the newest that works) through `attempt`;
+        with several processes, every process on the same step."""
+        if not self.peers.many:
+            return self._restore_alone(step, attempt)
+        agreed = self._catalog.steps()
+        if step is not None and step not in agreed:
+            raise StepNotFoundError(f"step {step} has no viable copy in {self._directory} "
+                                    f"on every process; viable steps: {sorted(agreed)}")
+        candidates = [step] if step is not None else sorted(agreed, reverse=True)
+        for s in candidates:
+            out, failure, error = self._attempt(s, attempt)
+            views = self.peers.exchange(f"restore of step {s}", {"failure": failure})
+            failures = [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]]
+            if not failures:
+                return out
+            fatal = [(q, f) for q, f in failures if f[0] == "error"]
+            if fatal:
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"process {fatal[0][0]} failed to restore step {s} "
+                                      f"of {self._directory}: {fatal[0][1][1]}")
+            said = "; ".join(f"process {q}: {f[1]}" for q, f in failures)
+            if step is not None:
+                raise CorruptCheckpointError(f"step {s} of {self._directory} cannot be "
+                                             f"restored on every process ({said})")
+            log.warning("step %d is not restorable on every process (%s); all fall back to "
+                        "the next older viable step", s, said)
+        raise StepNotFoundError(f"no step of {self._directory} is restorable on every "
+                                f"process (tried {candidates})")
+
+    def _restore_alone(self, step: int | None, attempt: Callable[[Choice], Any]) -> Any:
+        while True:
+            chosen = _choose(self._catalog, step, self._directory)
+            try:
+                return attempt(chosen)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                log.warning("step %d is not restorable (%s); falling back to the next "
+                            "older viable step", chosen.step, e)
+
+    def _attempt(self, step: int, attempt: Callable[[Choice], Any]
+                 ) -> tuple[Any, list | None, BaseException | None]:
+        """(result, failure to report, the error itself) of this process's part."""
+        choice = self._catalog.choice(step)
+        try:
+            if choice is None:
+                raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
+                                             f"of step {step}")
+            return attempt(choice), None, None
+        except TargetMismatchError as e:
+            return None, ["error", str(e)], e
+        except (CorruptCheckpointError, StorageError, ValueError) as e:
+            # ValueError: the chunks this process can read do not cover its part
+            return None, ["fallback", str(e)], None
+        except Exception as e:  # noqa: BLE001 - reported to every process, then raised
+            return None, ["error", f"{type(e).__name__}: {e}"], e
+
+    # ------------------------------------------------------------ tiers
+
+    def _classify_tiers(self) -> None:
+        """Marks a file tier that every process sees as shared; one that each
+        has its own of stays per-host; anything between is an error."""
+        tiers = [(n, st) for n, st in self._catalog.storages().items() if not st.shared]
+        if not tiers:
+            return
+        probe = f".rc-probe.{self.peers.token}."
+        for _, st in tiers:
+            st.put(probe + str(self.peers.index), memoryview(b""))
+        try:
+            self.peers.exchange("open (probes written)", {})
+            seen = {n: sorted(int(x[len(probe):]) for x in st.list("", starts_with=probe))
+                    for n, st in tiers}
+            views = self.peers.exchange("open (probes seen)", seen)
+        finally:
+            for _, st in tiers:
+                st.delete(probe + str(self.peers.index))
+        everyone = set(range(self.peers.count))
+        for n, st in tiers:
+            sets = [set(v[n]) for v in views]
+            if all(s == everyone for s in sets):
+                st.shared = True
+            elif any(s != {q} for q, s in enumerate(sets)):
+                raise ValueError(
+                    f"the {n} tier ({st.url}) is seen by some processes but not all "
+                    f"(processes see {[sorted(s) for s in sets]}): give each process a "
+                    "directory of its own (e.g. RamTier(path=...) per process) or one that "
+                    "every process sees")
+
+
+def _choose(catalog: Catalog, step: int | None, directory: Any) -> Choice:
+    """The choice for `step` (None: the newest viable), or the error that says why not."""
+    choices = catalog.viable()
+    if step is None:
+        if not choices:
+            raise StepNotFoundError(f"no viable step in {directory} "
+                                    f"(tiers: {catalog.names})")
+        return choices[max(choices)]
+    if step not in choices:
+        if step in catalog.viable_if_intact():
+            raise CorruptCheckpointError(
+                f"step {step} in {directory} failed checksum verification "
+                f"in every tier; restore an older step (viable: {sorted(choices)})")
+        raise StepNotFoundError(
+            f"step {step} has no viable copy in any tier of {directory}; "
+            f"viable steps: {sorted(choices)}")
+    return choices[step]

@@ -1,0 +1,133 @@
+"""Viability across processes, from each process's small view: pure functions.
+
+On one host every tier is visible and `selection.viable` decides from the
+whole picture. With many processes, each sees only its own per-host tiers (RAM,
+a local SSD) and the shared ones. So each reports, per step and save, whose
+shares (a process's manifest and the chunks it lists) are intact in which of
+its tiers (`local_shares`); the reports are exchanged (`agree.Peers`), and
+`agree` decides from all of them, identically on every process: a save of a
+step is viable when every writing process's share is intact somewhere, and a
+tier can serve it alone when every share is intact in it. `readable` is what
+this process itself can read of one save, for its own part of a restore.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .manifest import ItemRecord, Manifest
+from .selection import Choice, TierStep
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Share:
+    """Process `process`'s share of one save of `step` is intact in `tier`."""
+
+    step: int
+    save_id: str
+    process: int
+    count: int  # processes that wrote the save
+    tier: str
+    created: float
+
+    def to_json(self) -> list:
+        return [self.step, self.save_id, self.process, self.count, self.tier, self.created]
+
+    @staticmethod
+    def from_json(v: Sequence[Any]) -> Share:
+        return Share(int(v[0]), str(v[1]), int(v[2]), int(v[3]), str(v[4]), float(v[5]))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedStep:
+    """A save of a step that every writing process's share makes whole."""
+
+    step: int
+    save_id: str
+    created: float
+    count: int
+    complete_in: frozenset[str]  # tiers holding every share: each could serve it alone
+
+
+def _intact(m: Manifest, ts: TierStep, bad: frozenset) -> bool:
+    return all(ts.sizes.get(c.key) == c.stored_nbytes and (ts.tier, c.key) not in bad
+               for _, _, c in m.chunks())
+
+
+def local_shares(observations: Mapping[int, Sequence[TierStep]], bad: frozenset,
+                 reports: Callable[[str, int], bool]) -> list[Share]:
+    """The shares this process sees intact; `reports(tier, process)` says which
+    to report (on a tier every process sees, one reporter is enough)."""
+    out = set()
+    for step, views in observations.items():
+        for ts in views:
+            for m in ts.manifests:
+                if (isinstance(m, Manifest) and m.step == step
+                        and reports(ts.tier, m.process_index) and _intact(m, ts, bad)):
+                    out.add(Share(step, m.save_id, m.process_index, m.process_count, ts.tier,
+                                  m.created))
+    return sorted(out)
+
+
+def agree(reports: Sequence[Sequence[Share]]) -> dict[int, AgreedStep]:
+    """Per step, its newest save whose every share is intact somewhere."""
+    saves: dict[tuple[int, str, int], dict[str, set[int]]] = collections.defaultdict(
+        lambda: collections.defaultdict(set))
+    created: dict[tuple[int, str, int], float] = collections.defaultdict(float)
+    for shares in reports:
+        for s in shares:
+            key = (s.step, s.save_id, s.count)
+            saves[key][s.tier].add(s.process)
+            created[key] = max(created[key], s.created)
+    out: dict[int, AgreedStep] = {}
+    for (step, sid, count), tiers in sorted(saves.items()):
+        everyone = set(range(count))
+        if set().union(*tiers.values()) != everyone:
+            continue
+        cand = AgreedStep(step, sid, created[(step, sid, count)], count,
+                          frozenset(t for t, ps in tiers.items() if ps == everyone))
+        old = out.get(step)
+        if old is None or (cand.created, cand.save_id) > (old.created, old.save_id):
+            out[step] = cand
+    return out
+
+
+def readable(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozenset,
+             step: int, save_id: str) -> Choice | None:
+    """What this process can read of one save: every intact manifest of it in
+    its tiers merged (one variant per process, fastest tier first), each chunk
+    with the tiers holding a good copy; chunks with none are left out, so a
+    restore that needs them fails its plan. None if nothing of it is here."""
+    rank = {t: i for i, t in enumerate(tier_order)}
+    found: dict[int, tuple[Manifest, list[str]]] = {}
+    sizes = {ts.tier: ts.sizes for ts in views}
+    for ts in sorted(views, key=lambda v: rank.get(v.tier, 99)):
+        for m in ts.manifests:
+            if not (isinstance(m, Manifest) and m.step == step and m.save_id == save_id):
+                continue
+            known = found.get(m.process_index)
+            if known is None:
+                found[m.process_index] = (m, [ts.tier])
+            elif known[0] == m:
+                known[1].append(ts.tier)
+    if not found:
+        return None
+    sources: dict[str, set[str]] = collections.defaultdict(set)
+    chunks: dict[tuple[int, int], dict[str, Any]] = collections.defaultdict(dict)
+    for _, (m, holders) in sorted(found.items()):
+        for ii, it in enumerate(m.items):
+            for li, leaf in enumerate(it.leaves):
+                for c in leaf.chunks:
+                    ok = [t for t in holders if (t, c.key) not in bad
+                          and sizes[t].get(c.key) == c.stored_nbytes]
+                    if ok:
+                        sources[c.key].update(ok)
+                        chunks[(ii, li)].setdefault(c.key, c)
+    base = found[min(found)][0]
+    items = tuple(ItemRecord(it.name, it.kind, tuple(
+        dataclasses.replace(leaf, chunks=tuple(chunks[(ii, li)].values()))
+        for li, leaf in enumerate(it.leaves)), it.value) for ii, it in enumerate(base.items))
+    return Choice(step, save_id, base.created, dataclasses.replace(base, items=items),
+                  {k: tuple(sorted(v, key=lambda t: rank.get(t, 99))) for k, v in sources.items()})
