@@ -125,10 +125,12 @@ class ChunkReader:
                       if (t, c.key) not in self.bad), None)
         futures = []
         if first is not None and not self.storages[first].zero_copy:
-            direct = [(src, dst) for src, dst in parts if _rows_in_place(c, src, dst)]
+            # Parts of whole rows go straight into place; only the rest is staged.
+            # (Split by index: the parts are tuples, equal ones may be distinct.)
+            flags = [_rows_in_place(c, src, dst) for src, dst in parts]
             futures = [self.pool.submit(self.direct, c, dtype, src, dst, where)
-                       for src, dst in direct]
-            parts = [p for p in parts if not any(p is d for d in direct)]
+                       for (src, dst), f in zip(parts, flags, strict=True) if f]
+            parts = [p for p, f in zip(parts, flags, strict=True) if not f]
         if parts:
             self._staged(c, rpb, dtype, parts, where)
         return futures
