@@ -78,7 +78,3 @@ class Peers:
         if k:
             self._client.key_value_delete(f"{_ROOT}/x/{self.token}/{k - 1}/{self.index}")
         return out
-
-    def first(self, what: str, view: Any) -> Any:
-        """Process 0's `view`, on every process (a collective)."""
-        return self.exchange(what, view)[0]

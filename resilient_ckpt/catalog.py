@@ -53,6 +53,27 @@ class JobView:
         """Steps that `tier` holds every process's share of, oldest first."""
         return sorted(s for s, a in self.steps.items() if tier in a.complete_in)
 
+    def doomed(self, tier: str, own: set[int], keep: int | None, rule: Retention,
+               metrics: dict[int, Any], pinned: frozenset[int]) -> list[int]:
+        """Retention from the agreed view, so every host keeps the same steps:
+        only steps the tier holds every share of take slots; the newest such
+        step and the newest viable one are kept. Leftovers this host holds of
+        steps older than every kept one (a save a peer never finished) go too,
+        which bounds a per-host tier. `own`: the steps this host's copy of the
+        tier holds; `pinned`: steps an upload here still reads."""
+        complete = self.complete_in(tier)
+        protected = frozenset(({max(self.steps)} if self.steps else set())
+                              | ({complete[-1]} if complete else set()))
+        doomed = set(retention.to_delete(
+            complete, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
+            best_mode=rule.best_mode, metrics=metrics,
+            keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected))
+        kept = [s for s in complete if s not in doomed]
+        if keep is not None and kept:
+            doomed |= {s for s in own if s < kept[0] and s not in self.steps
+                       and s not in self.pending}
+        return sorted((doomed & own) - pinned)
+
 
 class Catalog:
     """Tier views, bad copies and Orbax steps; `viable()` merges them."""
@@ -63,6 +84,7 @@ class Catalog:
         self._naming, self._directory, self._home = naming, directory, home
         self.peers = peers
         self._job = JobView([_empty_view()])
+        self._whole: dict[tuple[int, str, int], shares.Share | None] = {}
         self._lock = threading.Lock()
         self._views: dict[str, dict[int, selection.TierStep]] = {}
         self._orbax: set[int] = set()
@@ -217,6 +239,9 @@ class Catalog:
         # its own commits; another's view of it may be older than the commit).
         mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
                                    or q == self.peers.index)
+        self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
+        mine += _whole_copies(self._whole, obs, self.names, bad,
+                              {(s.step, s.save_id) for s in mine})
         view = dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
                     errors=list(errors), orbax=orbax, **(extra or {}))
         views = self.peers.exchange(what, view)
@@ -282,27 +307,29 @@ class Catalog:
 
     def _doomed_agreed(self, tier: str, keep: int | None, rule: Retention,
                        pinned: frozenset[int]) -> list[int]:
-        """Retention from the agreed view, so every host keeps the same steps:
-        only steps the tier holds every share of take slots; the newest such
-        step and the newest viable one are kept. Leftovers this host holds of
-        steps older than every kept one (a save a peer never finished) go too,
-        which bounds a per-host tier."""
         with self._lock:
             job, own = self._job, set(self._views.get(tier, {}))
-        complete = job.complete_in(tier)
-        protected = frozenset(({max(job.steps)} if job.steps else set())
-                              | ({complete[-1]} if complete else set()))
-        metrics = {s: getattr(self.choice(s), "manifest", None) for s in complete}
-        doomed = set(retention.to_delete(
-            complete, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
-            best_mode=rule.best_mode,
-            metrics={s: m.metrics for s, m in metrics.items() if m is not None},
-            keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected))
-        kept = [s for s in complete if s not in doomed]
-        if keep is not None and kept:
-            doomed |= {s for s in own if s < kept[0] and s not in job.steps
-                       and s not in job.pending}
-        return sorted((doomed & own) - pinned)
+        metrics = {}
+        for s in job.complete_in(tier):
+            c = self.choice(s)
+            if c is not None and c.manifest.metrics is not None:
+                metrics[s] = c.manifest.metrics
+        return job.doomed(tier, own, keep, rule, metrics, pinned)
+
+
+def _whole_copies(cache: dict, obs: dict, names: list[str], bad: frozenset,
+                  saves: set[tuple[int, str]]) -> list[shares.Share]:
+    """The saves this process can read all of alone. Cached by (step, save,
+    bad copies): committed chunks do not change, and a copy deleted since only
+    makes a later restore fall back, on every process alike."""
+    out = []
+    for step, sid in sorted(saves):
+        key = (step, sid, len(bad))
+        if key not in cache:
+            cache[key] = shares.whole_copy(obs[step], names, bad, step, sid)
+        if cache[key] is not None:
+            out.append(cache[key])
+    return out
 
 
 def _empty_view() -> dict:

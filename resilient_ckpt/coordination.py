@@ -16,11 +16,13 @@ and every branch after it is taken from the same exchanged data:
 from __future__ import annotations
 
 import concurrent.futures as futures
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from . import manifest, peer_fill
 from .catalog import Catalog
 from .errors import (
     CheckpointError,
@@ -30,6 +32,7 @@ from .errors import (
     StorageError,
     TargetMismatchError,
 )
+from .restore import Hole
 from .saver import Saver
 from .selection import Choice
 
@@ -113,9 +116,7 @@ class Coordinator:
                                     f"on every process; viable steps: {sorted(agreed)}")
         candidates = [step] if step is not None else sorted(agreed, reverse=True)
         for s in candidates:
-            out, failure, error = self._attempt(s, attempt)
-            views = self.peers.exchange(f"restore of step {s}", {"failure": failure})
-            failures = [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]]
+            out, failures, error = self._try_step(s, attempt)
             if not failures:
                 return out
             fatal = [(q, f) for q, f in failures if f[0] == "error"]
@@ -133,6 +134,84 @@ class Coordinator:
         raise StepNotFoundError(f"no step of {self._directory} is restorable on every "
                                 f"process (tried {candidates})")
 
+    def _try_step(self, step: int, attempt: Callable[..., Any]
+                  ) -> tuple[Any, list, BaseException | None]:
+        """This process's part of restoring `step`, and every process's
+        failures, (kind, message) by process: empty when all worked."""
+        choice = self._skeleton_if_none(step, self._catalog.choice(step))
+        reported = []
+
+        def settle(holes: dict[str, Hole]) -> dict[str, Any]:
+            reported.append(True)
+            return self._settle(step, holes)
+        error: BaseException | None = None
+        try:
+            if choice is None:
+                raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
+                                             f"of step {step}")
+            return attempt(choice, settle), [], None
+        except _Abandoned as a:
+            return None, a.failures, None
+        except TargetMismatchError as e:
+            failure, error = ["error", str(e)], e
+        except (CorruptCheckpointError, StorageError, ValueError) as e:
+            # ValueError: the chunks this process can read do not cover its part
+            failure = ["fallback", str(e)]
+        except Exception as e:  # noqa: BLE001 - reported to every process, then raised
+            failure, error = ["error", f"{type(e).__name__}: {e}"], e
+        if reported:  # failed after telling the others it had read its part
+            raise error or CheckpointError(f"restore of step {step} failed: {failure[1]}")
+        views = self.peers.exchange(f"restore of step {step}", {"failure": failure, "holes": []})
+        return None, [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]], error
+
+    def _skeleton_if_none(self, step: int, choice: Choice | None) -> Choice | None:
+        """Where this process can read nothing of `step` but a peer holds all of
+        it, the step's records without chunks, from the first peer that has
+        them: then every shard here is filled from the peers."""
+        have = self.peers.exchange(f"restore of step {step} (who reads it)",
+                                   {"has": choice is not None})
+        if all(v["has"] for v in have) or not any(v["has"] for v in have):
+            return choice
+        first = next(q for q, v in enumerate(have) if v["has"])
+        doc = None
+        if self.peers.index == first and choice is not None:
+            bare = dataclasses.replace(choice.manifest, items=tuple(
+                dataclasses.replace(it, leaves=tuple(dataclasses.replace(lf, chunks=())
+                                                     for lf in it.leaves))
+                for it in choice.manifest.items))
+            doc = manifest.to_json(bare).decode()
+        doc = self.peers.exchange(f"restore of step {step} (its records)", doc)[first]
+        if choice is not None:
+            return choice
+        m = manifest.parse(doc.encode(), f"step {step}'s records from process {first}")
+        return Choice(step, m.save_id, m.created, m, {})
+
+    def _settle(self, step: int, holes: dict[str, Hole]) -> dict[str, Any]:
+        """After this process read its part: every process's outcome, then the
+        fill from peers of the shards some process could not read."""
+        mine = sorted(w for w, h in holes.items() if not all(h.have.values()))
+        views = self.peers.exchange(f"restore of step {step}", {"failure": None, "holes": mine})
+        failures = [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]]
+        if failures:
+            raise _Abandoned(failures)
+        wanted = sorted(set().union(*(set(v["holes"]) for v in views)))
+        if not wanted:
+            return {}
+        if not all(w in holes and peer_fill.can_fill(holes[w].array.sharding) for w in wanted):
+            # The same on every process: the targets are the same.
+            raise _Abandoned([(-1, ["fallback", f"{wanted} have shards no process read, "
+                                                "and no replica axis to fill them from"])])
+        filled, ok = {}, True
+        for w in wanted:
+            filled[w], good = peer_fill.fill(holes[w].array, holes[w].have)
+            ok = ok and good
+        views = self.peers.exchange(f"restore of step {step} (filled from peers)", {"ok": ok})
+        short = [q for q, v in enumerate(views) if not v["ok"]]
+        if short:
+            raise _Abandoned([(q, ["fallback", "some of its shards are held by no process"])
+                              for q in short])
+        return filled
+
     def _restore_alone(self, step: int | None, attempt: Callable[[Choice], Any]) -> Any:
         while True:
             chosen = _choose(self._catalog, step, self._directory)
@@ -143,23 +222,6 @@ class Coordinator:
                     raise
                 log.warning("step %d is not restorable (%s); falling back to the next "
                             "older viable step", chosen.step, e)
-
-    def _attempt(self, step: int, attempt: Callable[[Choice], Any]
-                 ) -> tuple[Any, list | None, BaseException | None]:
-        """(result, failure to report, the error itself) of this process's part."""
-        choice = self._catalog.choice(step)
-        try:
-            if choice is None:
-                raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
-                                             f"of step {step}")
-            return attempt(choice), None, None
-        except TargetMismatchError as e:
-            return None, ["error", str(e)], e
-        except (CorruptCheckpointError, StorageError, ValueError) as e:
-            # ValueError: the chunks this process can read do not cover its part
-            return None, ["fallback", str(e)], None
-        except Exception as e:  # noqa: BLE001 - reported to every process, then raised
-            return None, ["error", f"{type(e).__name__}: {e}"], e
 
     # ------------------------------------------------------------ tiers
 
@@ -210,3 +272,11 @@ def _choose(catalog: Catalog, step: int | None, directory: Any) -> Choice:
             f"step {step} has no viable copy in any tier of {directory}; "
             f"viable steps: {sorted(choices)}")
     return choices[step]
+
+
+class _Abandoned(Exception):
+    """Every process gives up a restore attempt (carries each one's failure)."""
+
+    def __init__(self, failures: list):
+        super().__init__(str(failures))
+        self.failures = failures

@@ -234,14 +234,14 @@ class CheckpointManager:
         if step is not None and step not in ours and step in orbax:
             return legacy.restore(d, naming, step, args)
 
-        def attempt(chosen: Choice) -> Any:
+        def attempt(chosen: Choice, settle: Any = None) -> Any:
             record = RestoreRecord(chosen.step)
             bad = self.catalog.bad()
             try:
                 out = restore_choice(chosen, self.catalog.storages(), naming, requests,
                                      is_composite, record, bad,
                                      self._options.restore_memory_budget,
-                                     self._options.progress)
+                                     self._options.progress, settle)
             finally:
                 self.catalog.add_bad(bad)
                 for msg in record.fallbacks:

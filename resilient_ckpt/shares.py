@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .manifest import ItemRecord, Manifest
+from .planner import chunks_cover
 from .selection import Choice, TierStep
 
 
@@ -38,6 +39,10 @@ class Share:
     @staticmethod
     def from_json(v: Sequence[Any]) -> Share:
         return Share(int(v[0]), str(v[1]), int(v[2]), int(v[3]), str(v[4]), float(v[5]))
+
+
+WHOLE = -1  # a Share's `process` when one process holds a whole copy of the save
+ANY_TIER = "*"  # its `tier`: the copy may span this process's tiers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,8 @@ def agree(reports: Sequence[Sequence[Share]]) -> dict[int, AgreedStep]:
     out: dict[int, AgreedStep] = {}
     for (step, sid, count), tiers in sorted(saves.items()):
         everyone = set(range(count))
-        if set().union(*tiers.values()) != everyone:
+        seen = set().union(*tiers.values())
+        if seen - {WHOLE} != everyone and WHOLE not in seen:
             continue
         cand = AgreedStep(step, sid, created[(step, sid, count)], count,
                           frozenset(t for t, ps in tiers.items() if ps == everyone))
@@ -131,3 +137,21 @@ def readable(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozense
         for li, leaf in enumerate(it.leaves)), it.value) for ii, it in enumerate(base.items))
     return Choice(step, save_id, base.created, dataclasses.replace(base, items=items),
                   {k: tuple(sorted(v, key=lambda t: rank.get(t, 99))) for k, v in sources.items()})
+
+
+def whole_copy(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozenset,
+               step: int, save_id: str) -> Share | None:
+    """A Share saying this process alone can read all of a save (its per-host
+    tiers keep replicas, so a peer that lost its own can be filled from it),
+    or None."""
+    c = readable(views, tier_order, bad, step, save_id)
+    if c is None:
+        return None
+    for it in c.manifest.items:
+        for leaf in it.leaves:
+            if leaf.kind in ("array", "prng_key", "numpy", "numpy_scalar") and \
+                    not chunks_cover(leaf.shape, leaf.chunks):
+                return None
+    m = next(x for ts in views for x in ts.manifests
+             if isinstance(x, Manifest) and x.save_id == save_id)
+    return Share(step, save_id, WHOLE, m.process_count, ANY_TIER, m.created)

@@ -363,12 +363,21 @@ def test_lost_host_ram_restore_reads_at_most_its_share_from_local(hosts):
         f"({share}): {summary(reports)}")
 
 
-@pytest.mark.xfail(strict=False, reason="replica transfer from peers not yet built")
-def test_lost_host_ram_restore_reads_nothing_from_local_with_replicas(hosts):
-    step, local, share, reports = _lost_ram_restore(hosts)
-    assert step == 6 and local == 0, (
-        f"step {step}: {local} bytes from the local tier (the ideal with replicas on "
-        f"peers: 0): {summary(reports)}")
+def test_lost_host_ram_is_filled_from_its_peers_replicas(hosts):
+    """A data-parallel job (the state replicated over a replica axis that spans
+    the hosts, so each host's RAM tier keeps a whole copy): host 1 loses its
+    RAM, and the fresh job still restores the newest step, held in RAM only,
+    host 1's shards moved from host 0's devices: 0 bytes from the shared tier."""
+    mesh = ["--mesh", "2,2,2"]
+    train(hosts, steps=7, extra=mesh)  # step 7 is in RAM only (local: 3 and 6)
+    shutil.rmtree(hosts["ram_of"](1))
+    res, reports = restore(hosts, extra=mesh)
+    step = assert_agree_exact(res, reports, "restore after host 1 lost its RAM tier")
+    assert step == 7, f"restored {step}, not the RAM-only step 7: {summary(reports)}"
+    assert all(r["bytes_by_tier"].get("local", 0) == 0 for r in reports), summary(reports)
+    assert reports[1]["bytes_by_tier"].get("peers") == reports[1]["target_bytes"], \
+        summary(reports)
+    assert reports[0]["bytes_by_tier"].get("peers", 0) == 0, summary(reports)
 
 
 # ---------------------------------------------------------------- (e) process count changes
