@@ -13,8 +13,8 @@ the step it says it restored (the state's arithmetic is exact).
 CheckpointManager on the shared directory: it checks the harness (kills,
 fresh jobs, comparisons), and must pass.
 
-Environment: RC_MULTIHOST_TRIALS (kill trials with 2 processes, default 10),
-RC_MULTIHOST_TRIALS_4 (with 4 processes, default 3), RC_MULTIHOST_CONTROL_TRIALS
+Environment: RC_MULTIHOST_TRIALS (kill trials with 2 processes, default 40),
+RC_MULTIHOST_TRIALS_4 (with 4 processes, default 10), RC_MULTIHOST_CONTROL_TRIALS
 (Orbax control, default 3), RC_MULTIHOST_SEED (default 0). Every job has a hard
 timeout (the harness kills it and fails the test).
 """
@@ -37,8 +37,8 @@ from _multihost import (  # noqa: E402  (the harness, beside this file)
     step_dirs,
 )
 
-TRIALS = int(os.environ.get("RC_MULTIHOST_TRIALS", "10"))
-TRIALS_4 = int(os.environ.get("RC_MULTIHOST_TRIALS_4", "3"))
+TRIALS = int(os.environ.get("RC_MULTIHOST_TRIALS", "40"))
+TRIALS_4 = int(os.environ.get("RC_MULTIHOST_TRIALS_4", "10"))
 CONTROL_TRIALS = int(os.environ.get("RC_MULTIHOST_CONTROL_TRIALS", "3"))
 SEED = int(os.environ.get("RC_MULTIHOST_SEED", "0"))
 JOB_S = 90  # hard timeout of one job
