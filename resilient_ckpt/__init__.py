@@ -16,6 +16,7 @@ from .elastic import (
     shrink_data_axis,
 )
 from .errors import (
+    AgreementError,
     CheckpointError,
     CorruptCheckpointError,
     ItemNotFoundError,
@@ -50,7 +51,7 @@ __all__ = [
     # errors
     "CheckpointError", "CorruptCheckpointError", "ItemNotFoundError", "SaveFailedError",
     "StepAlreadyExistsError", "StepNotFoundError", "StorageError", "TargetMismatchError",
-    "UnsupportedArgsError", "UnsupportedFormatError", "RecoveryFailedError",
+    "UnsupportedArgsError", "UnsupportedFormatError", "RecoveryFailedError", "AgreementError",
     # the elastic loop
     "Elastic", "ManagerLike", "RecoveryPolicy", "RecoveryEvent", "HealthCheck",
     "is_recoverable", "shrink_data_axis", "format_timeline",

@@ -430,3 +430,41 @@ def test_harness_control_orbax_agrees(hosts):
     assert len(records) == CONTROL_TRIALS and (errors, disagree, inexact) == (0, 0, 0), table
     steps = collections.Counter(r["steps"][0] for r in records)
     assert sum(n for s, n in steps.items() if s is not None) >= 1, table
+
+
+# ---------------------------------------------------------------- a peer that is gone
+
+SKIPPER = r'''
+import sys, time
+import mh
+ctx = mh.init(sys.argv)
+
+
+def run(ctx):
+    import resilient_ckpt as rc
+    tiers = [rc.RamTier(path=ctx.ram, every=1, keep=2), rc.LocalTier(path=ctx.dir)]
+    mngr = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
+        tiers=tiers, agreement_timeout_s=3))
+    if ctx.pid == 1:  # never makes the collective call process 0 makes
+        time.sleep(6)
+        mh.report({"pid": 1, "slept": True})
+        return
+    t0 = time.monotonic()
+    try:
+        mngr.reload()
+        mh.report({"pid": 0, "raised": None})
+    except rc.AgreementError as e:
+        mh.report({"pid": 0, "raised": str(e), "after_s": time.monotonic() - t0,
+                   "timeout_error": isinstance(e, TimeoutError)})
+mh.main(run, ctx)
+'''
+
+
+def test_a_peer_that_does_not_answer_is_named_not_a_hang(hosts):
+    """Process 1 skips a collective call: process 0 raises AgreementError (a
+    TimeoutError) naming process 1 and the call, after agreement_timeout_s."""
+    res = run_job(SKIPPER, 2, 2, common(hosts), timeout_s=JOB_S)
+    got = res[0].last("pid")
+    assert got is not None, res[0].tail()
+    assert got["raised"] and "process 1 of 2" in got["raised"] and "reload" in got["raised"], got
+    assert got["timeout_error"] and 2.5 < got["after_s"] < 15, got
