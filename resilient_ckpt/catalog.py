@@ -236,9 +236,10 @@ class Catalog:
             obs, bad = self._observations(), frozenset(self._bad)
             orbax = sorted(self._orbax)
         # On a tier every process sees, each reports its own share (it knows
-        # its own commits; another's view of it may be older than the commit).
+        # its own commits; another's view of it may be older than the commit),
+        # and process 0 all it sees (saves by another process count included).
         mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
-                                   or q == self.peers.index)
+                                   or q == self.peers.index or self.peers.index == 0)
         self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
         mine += _whole_copies(self._whole, obs, self.names, bad,
                               {(s.step, s.save_id) for s in mine})

@@ -405,6 +405,18 @@ def test_restore_with_another_process_count_resharded(six_steps, nprocs, devices
             f"shards: {summary(reports)}")
 
 
+def test_a_4_process_checkpoint_restores_in_2_processes(hosts):
+    """Saved by 4 processes (2 devices each), restored by 2 (4 each): the
+    shared tier's 4-process step, exact, the same step on both."""
+    train(hosts, nprocs=4, devices=2, steps=6)
+    res, reports = restore(hosts, 2, 4)
+    step = assert_agree_exact(res, reports, "2-process restore of a 4-process checkpoint")
+    assert step == 6, summary(reports)
+    for r in reports:
+        read = sum(r["bytes_by_tier"].values())
+        assert read <= 1.05 * r["target_bytes"], summary(reports)
+
+
 # ---------------------------------------------------------------- the harness itself
 
 def test_harness_timeout_kills_and_fails(tmp_path):
