@@ -37,7 +37,7 @@ def reports(draw):
 def test_a_save_is_viable_exactly_when_every_share_is_somewhere(data):
     views, truth = data
     agreed = agree(views)
-    for (step, sid), (count, held, whole, created) in truth.items():
+    for (step, sid), (count, held, whole, _) in truth.items():
         everyone = whole or all(held[q] for q in range(count))
         rivals = [(c, s) for (st_, s), (n, h, w, c) in truth.items() if st_ == step
                   and (w or all(h[q] for q in range(n)))]
