@@ -11,8 +11,9 @@ waited, instead of a hang or a divergent branch.
 Rounds are numbered per manager; the managers of one directory are told apart
 by the order in which processes opened them (an atomic counter in the store),
 so every process must open managers and call their collective methods in the
-same order, as with Orbax. A process deletes its key of a round once it has
-read every key of the next one (by then every process has read it).
+same order, as with Orbax. A round ends with a barrier, after which every
+process has read every key: each deletes its own, and none is left reading
+when another ends its program.
 With one process there is nothing to exchange and no store is used.
 """
 from __future__ import annotations
@@ -75,6 +76,17 @@ class Peers:
                     "every process must call save, restore, reload and "
                     "wait_until_finished in the same order") from e
             out.append(json.loads(raw))
-        if k:
-            self._client.key_value_delete(f"{_ROOT}/x/{self.token}/{k - 1}/{self.index}")
+        # Everyone has read everything before anyone goes on: a process that
+        # finishes its program (process 0 ends the key-value service with it)
+        # never leaves a peer reading, and each key can go at once.
+        self._wait(f"{_ROOT}/b/{self.token}/{k}", what, k)
+        self._client.key_value_delete(prefix + str(self.index))
         return out
+
+    def _wait(self, barrier: str, what: str, k: int) -> None:
+        try:
+            self._client.wait_at_barrier(barrier, int(self.timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001 - the client's errors are untyped
+            raise AgreementError(
+                f"not every one of {self.count} processes finished {what} (round {k}) "
+                f"within {self.timeout_s:g} s: one is gone") from e
