@@ -15,8 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import jax
-
 from . import layout, manifest as mf, transfer
 from .errors import CorruptCheckpointError, StepAlreadyExistsError
 from .selection import TierStep
@@ -277,15 +275,15 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     return removed
 
 
-def clean_tier(storage: Storage, naming: layout.StepNaming, orphan_age_s: float | None
-               ) -> None:
+def clean_tier(storage: Storage, naming: layout.StepNaming, orphan_age_s: float | None,
+               process_index: int) -> None:
     """Removes dead saves' leftovers from one tier, logging what it did: on a
     shared tier by age and on process 0 only (`collect_orphans`), else by
     writer liveness (`cleanup`). A failure is logged, never raised: cleanup
     must not stop a manager from opening."""
     try:
         if storage.shared:  # seen by every host: one of them collects
-            if jax.process_index() != 0:
+            if process_index != 0:
                 return
             removed = collect_orphans(storage, naming, orphan_age_s or 3600.0)
         else:

@@ -73,8 +73,11 @@ class CheckpointManager:
 
     def _clean(self) -> None:
         for t in self._saver.tiers:
+            # The cleanup thread runs beside the program; it asks jax nothing
+            # (the backend may be shutting down when the program ends).
             commit.clean_tier(t.storage, self._plan.naming,
-                              getattr(t.plan.config, "orphan_age_s", None))
+                              getattr(t.plan.config, "orphan_age_s", None),
+                              self.catalog.peers.index)
 
     # ------------------------------------------------------------ what exists
 

@@ -350,7 +350,7 @@ class Saver:
         ts = self._catalog.view(done[0]).get(snap.step)
         mine = [m for m in (ts.manifests if ts else ())
                 if isinstance(m, Manifest) and m.save_id == snap.save_id
-                and m.process_index == jax.process_index()]
+                and m.process_index == flight.header["process_index"]]
         if not mine:
             raise StepNotFoundError(f"step {snap.step} vanished from the {done[0]} "
                                     "tier before its upload")

@@ -417,6 +417,17 @@ def test_a_4_process_checkpoint_restores_in_2_processes(hosts):
         assert read <= 1.05 * r["target_bytes"], summary(reports)
 
 
+def test_a_job_that_finds_nothing_ends_cleanly(hosts):
+    """4 processes open managers on empty tiers and end at once: every one
+    exits 0. (The cleanup thread asked jax for the process index as the
+    program ended, which restarted the backend against a coordinator that
+    was gone: 11 of 15 such jobs lost a process to SIGABRT.)"""
+    for _ in range(5):
+        res, reports = restore(hosts, 4, 2)
+        assert [r.rc for r in res] == [0, 0, 0, 0], [r.tail() for r in res if r.rc]
+        assert [r["step"] for r in reports] == [None] * 4, summary(reports)
+
+
 # ---------------------------------------------------------------- the harness itself
 
 def test_harness_timeout_kills_and_fails(tmp_path):
