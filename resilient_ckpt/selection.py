@@ -39,6 +39,13 @@ class Choice:
     sources: Mapping[str, tuple[str, ...]]
 
 
+def has_copy(sizes: Mapping[str, int | None], tier: str, c: ChunkRecord,
+             bad: frozenset) -> bool:
+    """Whether `tier` (its observed object sizes) holds a usable copy of `c`:
+    one of the recorded size, not already known to fail its checksum."""
+    return sizes.get(c.key) == c.stored_nbytes and (tier, c.key) not in bad
+
+
 def _candidate(step: int, save_id: str, views: Sequence[TierStep],
                tier_order: Sequence[str], bad: frozenset) -> Choice | None:
     # Copies of one process's manifest normally agree; where they differ (one
@@ -75,8 +82,7 @@ def _combine(step, save_id, combo, sizes, rank, bad) -> Choice | None:
             for li, leaf in enumerate(it.leaves):
                 merged.setdefault((ii, li), []).extend(leaf.chunks)
                 for c in leaf.chunks:
-                    ok = [t for t in holders if (t, c.key) not in bad
-                          and sizes[t].get(c.key) == c.stored_nbytes]
+                    ok = [t for t in holders if has_copy(sizes[t], t, c, bad)]
                     if not ok:
                         return None
                     sources[c.key] = tuple(sorted(set(ok), key=lambda t: rank.get(t, 99)))

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .manifest import ItemRecord, Manifest
-from .selection import Choice, TierStep
+from .selection import Choice, TierStep, has_copy
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -57,8 +57,7 @@ class AgreedStep:
 
 
 def _intact(m: Manifest, ts: TierStep, bad: frozenset) -> bool:
-    return all(ts.sizes.get(c.key) == c.stored_nbytes and (ts.tier, c.key) not in bad
-               for _, _, c in m.chunks())
+    return all(has_copy(ts.sizes, ts.tier, c, bad) for _, _, c in m.chunks())
 
 
 def local_shares(observations: Mapping[int, Sequence[TierStep]], bad: frozenset,
@@ -102,36 +101,31 @@ def agree(reports: Sequence[Sequence[Share]]) -> dict[int, AgreedStep]:
 
 def readable(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozenset,
              step: int, save_id: str) -> Choice | None:
-    """What this process can read of one save: every intact manifest of it in
-    its tiers merged (one variant per process, fastest tier first), each chunk
-    with the tiers holding a good copy; chunks with none are left out, so a
-    restore that needs them fails its plan. None if nothing of it is here."""
+    """What this process can read of one save: every copy of its manifests in
+    this process's tiers merged (records from the fastest copy of the lowest
+    process), each chunk with the tiers holding a good copy; chunks with none
+    are left out, so a restore that needs them fails its plan. None if
+    nothing of it is here."""
     rank = {t: i for i, t in enumerate(tier_order)}
-    found: dict[int, tuple[Manifest, list[str]]] = {}
     sizes = {ts.tier: ts.sizes for ts in views}
-    for ts in sorted(views, key=lambda v: rank.get(v.tier, 99)):
-        for m in ts.manifests:
-            if not (isinstance(m, Manifest) and m.step == step and m.save_id == save_id):
-                continue
-            known = found.get(m.process_index)
-            if known is None:
-                found[m.process_index] = (m, [ts.tier])
-            elif known[0] == m:
-                known[1].append(ts.tier)
-    if not found:
+    # Every copy of every process's manifest of this save, fastest tier first;
+    # copies of one process's manifest may differ between tiers (a per-host
+    # tier's lists replicas too), so each contributes what its tier holds.
+    copies = sorted(((m.process_index, rank.get(ts.tier, 99), ts.tier, m) for ts in views
+                     for m in ts.manifests if isinstance(m, Manifest) and m.step == step
+                     and m.save_id == save_id), key=lambda x: x[:2])
+    if not copies:
         return None
     sources: dict[str, set[str]] = collections.defaultdict(set)
     chunks: dict[tuple[int, int], dict[str, Any]] = collections.defaultdict(dict)
-    for _, (m, holders) in sorted(found.items()):
+    for _, _, tier, m in copies:
         for ii, it in enumerate(m.items):
             for li, leaf in enumerate(it.leaves):
                 for c in leaf.chunks:
-                    ok = [t for t in holders if (t, c.key) not in bad
-                          and sizes[t].get(c.key) == c.stored_nbytes]
-                    if ok:
-                        sources[c.key].update(ok)
+                    if has_copy(sizes[tier], tier, c, bad):
+                        sources[c.key].add(tier)
                         chunks[(ii, li)].setdefault(c.key, c)
-    base = found[min(found)][0]
+    base = copies[0][3]
     items = tuple(ItemRecord(it.name, it.kind, tuple(
         dataclasses.replace(leaf, chunks=tuple(chunks[(ii, li)].values()))
         for li, leaf in enumerate(it.leaves)), it.value) for ii, it in enumerate(base.items))
@@ -155,6 +149,4 @@ def whole_copy(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozen
             if leaf.kind in ("array", "prng_key", "numpy", "numpy_scalar") and \
                     sum(math.prod(ch.sizes) for ch in leaf.chunks) != math.prod(leaf.shape):
                 return None
-    m = next(x for ts in views for x in ts.manifests
-             if isinstance(x, Manifest) and x.save_id == save_id)
-    return Share(step, save_id, WHOLE, m.process_count, ANY_TIER, m.created)
+    return Share(step, save_id, WHOLE, c.manifest.process_count, ANY_TIER, c.created)

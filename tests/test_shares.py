@@ -68,3 +68,29 @@ def test_every_process_decides_the_same_from_the_same_reports(data, rnd):
 def test_json_round_trip():
     s = Share(3, "ab", 1, 2, "ram", 1.5)
     assert Share.from_json(s.to_json()) == s
+
+
+def test_readable_uses_every_copy_of_a_process_manifest():
+    """A per-host tier's copy of a manifest lists a replica chunk too; the
+    shared tier's copy does not. Both contribute: the chunk whose RAM copy
+    failed is still read from the shared tier, and the replica from RAM."""
+    from resilient_ckpt import manifest as mf
+    from resilient_ckpt.selection import TierStep
+    from resilient_ckpt.shares import readable
+
+    def chunk(row):
+        return mf.ChunkRecord((row,), (2,), f"00000000.c0.0.{row}", 8, 8, row)
+
+    def manifest(rows):
+        leaf = mf.LeafRecord((("key", "w"),), "array", (4,), "float32", None, None, None,
+                             tuple(chunk(r) for r in rows))
+        return mf.Manifest(5, "s" * 32, 1.0, 0, 2, (mf.ItemRecord("default", "pytree", (leaf,)),))
+
+    ram = TierStep("ram", (manifest([0, 2]),), {chunk(0).key: 8, chunk(2).key: 8})
+    local = TierStep("local", (manifest([0]),), {chunk(0).key: 8})
+    c = readable([ram, local], ["ram", "local"], frozenset({("ram", chunk(0).key)}),
+                 5, "s" * 32)
+    assert c is not None
+    assert c.sources == {chunk(0).key: ("local",), chunk(2).key: ("ram",)}
+    assert {ch.key for ch in c.manifest.items[0].leaves[0].chunks} == {chunk(0).key,
+                                                                      chunk(2).key}
