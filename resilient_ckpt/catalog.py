@@ -311,7 +311,8 @@ class Catalog:
         with self._lock:
             job, own = self._job, set(self._views.get(tier, {}))
         metrics = {}
-        for s in job.complete_in(tier):
+        # Metrics mean reading each step's manifests back: only for a best_fn.
+        for s in job.complete_in(tier) if rule.best_fn is not None else ():
             c = self.choice(s)
             if c is not None and c.manifest.metrics is not None:
                 metrics[s] = c.manifest.metrics
