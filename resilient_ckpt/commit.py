@@ -277,14 +277,16 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
 
 def clean_tier(storage: Storage, naming: layout.StepNaming, orphan_age_s: float | None,
                process_index: int) -> None:
-    """Removes dead saves' leftovers from one tier, logging what it did: on a
-    shared tier by age and on process 0 only (`collect_orphans`), else by
-    writer liveness (`cleanup`). A failure is logged, never raised: cleanup
-    must not stop a manager from opening."""
+    """Removes dead saves' leftovers from one tier, logging what it did; on a
+    tier every host sees, process 0 only. A remote store (GCS) is cleaned by
+    age (`collect_orphans`: no writer marker tells a dead writer there), a
+    file tier by writer liveness (`cleanup`: a writer on another host counts
+    as live). A failure is logged, never raised: cleanup must not stop a
+    manager from opening."""
     try:
-        if storage.shared:  # seen by every host: one of them collects
-            if process_index != 0:
-                return
+        if storage.shared and process_index != 0:
+            return  # seen by every host: one of them cleans
+        if storage.remote:
             removed = collect_orphans(storage, naming, orphan_age_s or 3600.0)
         else:
             removed = cleanup(storage, naming)
