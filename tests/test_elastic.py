@@ -18,6 +18,7 @@ import json
 import shutil
 import tempfile
 import threading
+import time
 
 import hypothesis
 import hypothesis.strategies as st
@@ -45,7 +46,7 @@ from resilient_ckpt.elastic import (
     format_timeline,
     shrink_data_axis,
 )
-from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
+from resilient_ckpt.testing.faults import DeviceFault, FaultInjector, delete_buffers_on
 
 SHAPE = (16, 8)
 
@@ -183,8 +184,14 @@ def _injected() -> Exception:
     raise AssertionError("the injector did not raise")
 
 
+def _named(exc: Exception, devices) -> Exception:
+    exc.failed_devices = devices
+    return exc
+
+
 # (exception, recoverable, family): "pathways" rows must agree with pathwaysutils;
-# "multi-controller" rows are ours alone (pathwaysutils says False).
+# the others ("multi-controller", "named": an exception naming its lost devices)
+# are ours alone (pathwaysutils says False).
 TABLE = [
     (lambda: _jre("DATA_LOSS: slice 1 is down"), True, "pathways"),
     (lambda: _jre("DEADLINE_EXCEEDED: barrier timed out"), True, "pathways"),
@@ -204,6 +211,10 @@ TABLE = [
                         "pair.cc:538] Read error [127.0.0.1]:9101: Connection reset by peer"),
      True, "multi-controller"),  # as jax 0.10.2 raised it (tests/test_elastic_multiprocess.py)
     (_process_failure, True, "multi-controller"),
+    (lambda: failures.DeviceLossError([3, 4], "host 2 is gone"), True, "pathways"),
+    (lambda: _named(RuntimeError("host 2 is gone"), [3, 4]), True, "named"),
+    (lambda: _named(RuntimeError("a bug"), []), False, "pathways"),
+    (lambda: _named(RuntimeError("a bug"), "not devices"), False, "pathways"),
     (lambda: _jre("UNKNOWN: Gloo context initialization failed: ALREADY_EXISTS"),
      False, "pathways"),
     (lambda: RuntimeError("DATA_LOSS: text alone is not enough"), False, "pathways"),
@@ -248,6 +259,26 @@ def test_the_classifier_calls_pathwaysutils(monkeypatch):
                         lambda: lambda e, **kw: calls.append(e) or rule(e, **kw))
     exc = _jre("DATA_LOSS: x")
     assert elastic.is_recoverable(exc) and calls == [exc]
+
+
+def test_what_a_failure_says(devices):
+    """failed_devices (devices or ids) and fault_time (a perf_counter reading
+    not in the future) are read; anything else is ignored."""
+    assert failures.named_lost(_named(RuntimeError(), {devices[2], devices[5]})) == {2, 5}
+    assert failures.named_lost(_named(RuntimeError(), (7, 1))) == {1, 7}
+    assert failures.named_lost(_named(RuntimeError(), [object()])) == frozenset()
+    assert failures.named_lost(_process_failure()) == {3}
+    assert failures.named_lost(_jre("DATA_LOSS: slice 1 is down")) == frozenset()
+    now = time.perf_counter()
+    e = failures.DeviceLossError([devices[6], 7], fault_time=now - 2.0)
+    assert e.failed_devices == {6, 7} and "DATA_LOSS" in str(e) and "[6, 7]" in str(e)
+    assert failures.fault_time(e, now) == now - 2.0
+    e.fault_time = now + 60.0          # later than the loop saw it: not a perf_counter reading
+    assert failures.fault_time(e, now) is None
+    for bad in ("yesterday", True, float("nan")):
+        e.fault_time = bad
+        assert failures.fault_time(e, now) is None
+    assert failures.fault_time(_jre("DATA_LOSS: x"), now) is None
 
 
 # ------------------------------------------------------------------ parts
@@ -299,7 +330,7 @@ def test_injector_deletes_lost_buffers_and_fails_their_health_checks(mesh, devic
     with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS") as info:
         faults.before_step(3, x)
     assert elastic.is_recoverable(info.value) and info.value.devices == (4, 5, 6, 7)
-    with pytest.raises(Exception):  # its shards on devices 4-7 are gone
+    with pytest.raises(jax.errors.JaxRuntimeError, match="deleted"):  # shards on 4-7 are gone
         np.asarray(x)
     assert np.asarray(safe).sum() == 4.0  # untouched: not on a lost device
     assert {d.id for d in faults.health_check(devices, 5.0)} == {0, 1, 2, 3}
@@ -448,7 +479,8 @@ def test_gives_up_after_the_attempt_budget(mesh, check):
             trainer(el, faults, 10, {})()
     msg = str(info.value)
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, RuntimeError)
-    assert "2 attempts without a completed step" in msg and "relaunch" in msg
+    assert "2 attempts without progress past step 4" in msg and "relaunch" in msg
+    assert "No device was lost" not in msg  # each attempt lost two devices
     for n in (1, 2, 3):
         assert f"attempt {n}, step 5 failed" in msg
     assert "restored step 4 from ram" in msg and "newest viable checkpoint is step 4" in msg
@@ -468,7 +500,130 @@ def test_gives_up_waiting_for_devices(mesh, check):
     assert "DATA_LOSS" in str(info.value)  # the health check's reason per device
 
 
-def test_each_completed_step_renews_the_attempt_budget(mesh, check):
+def failing_at(schedule: dict[int, int], make, limit: int = 12):
+    """A hook that raises make() when step s runs, schedule[s] times. Past
+    `limit` failures in all it raises AssertionError (not recoverable), so a
+    loop that never gives up fails the test instead of hanging it."""
+    count = {"all": 0}
+
+    def hook(step):
+        if schedule.get(step, 0) > 0:
+            schedule[step] -= 1
+            count["all"] += 1
+            if count["all"] > limit:
+                raise AssertionError(f"still retrying after {limit} failures")
+            raise make()
+    return hook
+
+
+@pytest.mark.parametrize("text", ["DATA_LOSS: slice 2 is down",
+                                  "INTERNAL: a deterministic bug in the step"])
+def test_a_failure_at_the_same_step_after_each_restore_ends(mesh, check, text):
+    """Restore 6, step 7 completes again, step 8 fails again: replayed steps
+    are not progress, so the attempts run out (they used to reset at step 7)."""
+    hook = failing_at({8: 100}, lambda: jax.errors.JaxRuntimeError(text))
+    seen: dict = {}
+    with manager(ram_every=2, local_every=100) as mngr:
+        el = Elastic(mngr, mesh, health_check=check, rescale_every_s=3600,
+                     retry=RecoveryPolicy(max_attempts=3))
+        with pytest.raises(RecoveryFailedError) as info:
+            trainer(el, None, 12, seen, hook=hook)()
+    msg = str(info.value)
+    assert "3 attempts without progress past step 7" in msg
+    for n in (1, 2, 3, 4):
+        assert f"attempt {n}, step 8 failed (JaxRuntimeError: {text})" in msg
+    assert msg.count("restored step 6 from ram") == 3
+    assert msg.count("lost devices [] (by the health check)") == 3
+    assert "No device was lost in any attempt, and step 8 failed again" in msg
+    assert "newest viable checkpoint is step 6" in msg
+    assert info.value.__cause__ is not None and str(info.value.__cause__) == text
+    assert [e.step for e in el.timeline] == [8, 8, 8, 8]
+    assert [e.outcome.split(":")[0] for e in el.timeline] == [
+        "resumed at step 7, then step 8 failed before any progress"] * 3 + ["gave up"]
+    assert len(seen[6]) == 3  # re-entered from step 6 three times, replaying step 7 each time
+
+
+def test_only_a_step_past_the_failure_renews_the_attempt_budget(mesh, check):
+    """With one attempt: failing at 8, then at 9 goes on (step 8 completed in
+    between: progress); failing at 8 twice ends (step 7 again is no progress)."""
+    bug = lambda: jax.errors.JaxRuntimeError("INTERNAL: flaky")  # noqa: E731
+    with manager(ram_every=2, local_every=100) as mngr:
+        el = Elastic(mngr, mesh, health_check=check, rescale_every_s=3600,
+                     retry=RecoveryPolicy(max_attempts=1))
+        final = trainer(el, None, 12, {}, hook=failing_at({8: 1, 9: 1}, bug))()
+    assert [(e.step, e.restored_step, e.outcome) for e in el.timeline] == [
+        (8, 6, "resumed"), (9, 8, "resumed")]
+    assert_state(final, reference(12)[12], "final state")
+    with manager(ram_every=2, local_every=100) as mngr:
+        el = Elastic(mngr, mesh, health_check=check, rescale_every_s=3600,
+                     retry=RecoveryPolicy(max_attempts=1))
+        with pytest.raises(RecoveryFailedError, match="1 attempts without progress past step 7"):
+            trainer(el, None, 12, {}, hook=failing_at({8: 2}, bug))()
+
+
+@pytest.mark.parametrize("kind", ["DeviceLossError", "ProcessFailureError"])
+def test_the_devices_a_failure_names_are_dropped_without_a_health_check(mesh, devices, kind):
+    """No health_check hook: the real check would find all 8 CPU devices
+    healthy, so going on with 4 shows the loop took the failure's word; its
+    fault_time is where the detection time starts."""
+    lost = (4, 5, 6, 7) if kind == "DeviceLossError" else (0, 1)
+    fault_time = time.perf_counter() - 1000.0  # far enough back that nothing else explains it
+
+    def hook(step):
+        if step == 5 and not el.timeline:
+            delete_buffers_on(lost)  # as a real loss would: the step's output is gone
+            if kind == "DeviceLossError":
+                raise failures.DeviceLossError([devices[i] for i in lost], "host lost",
+                                               fault_time=fault_time)
+            from jax.experimental.multihost_utils import ProcessFailureError
+            raise ProcessFailureError({devices[i] for i in lost})
+
+    with manager(ram_every=2, local_every=100) as mngr:
+        el = Elastic(mngr, mesh, rescale_every_s=3600)
+        final = trainer(el, None, 8, {}, hook=hook)()
+    (ev,) = el.timeline
+    assert (ev.step, ev.lost_devices, ev.lost_from, ev.outcome) == (5, lost, "failure",
+                                                                    "resumed")
+    keep = (0, 1, 2, 3) if kind == "DeviceLossError" else (2, 3, 4, 5)
+    assert ev.devices_after == keep and mesh_ids_of(el.mesh) == keep
+    if kind == "DeviceLossError":
+        assert ev.detect_s >= 1000.0 and ev.total_s >= 1000.0
+    else:
+        assert ev.detect_s < 1000.0  # no fault_time: from the last completed step
+    assert ev.restored_step == 4
+    assert_state(final, reference(8)[8], "final state")
+
+
+def mesh_ids_of(m: Mesh) -> tuple:
+    return tuple(sorted(d.id for d in m.devices.flat))
+
+
+def test_compiled_says_whether_a_meshs_program_is_ready(mesh, devices, check):
+    gate = threading.Event()
+
+    def build_gated(m):
+        if m.size < 8:
+            assert gate.wait(120), "the test never released the build"
+        return build(m, aot=True)
+
+    with manager() as mngr:
+        assert not Elastic(mngr, mesh, health_check=check).compiled(mesh)  # no build=
+        el = Elastic(mngr, mesh, health_check=check, build=build_gated, rescale_every_s=3600)
+        try:
+            assert not el.compiled(mesh)
+            step_fn, _, init = el.program(mesh)
+            assert el.compiled(mesh) and el.compiled(devices)   # devices: the mesh they make
+            el.save(1, step_fn(init()))        # starts building the likely smaller mesh
+            assert not el.compiled(devices[:6])              # being built (held at the gate)
+            assert not el.compiled([devices[0], devices[2]])  # no whole row: no mesh
+        finally:
+            gate.set()
+        small = shrink_data_axis(set(devices[:6]), mesh)
+        el.program(small)                      # waits for the background build
+        assert el.compiled(small) and el.compiled(devices[:6]) and el.compiled(devices[:4])
+
+
+def test_progress_renews_the_attempt_budget(mesh, check):
     faults = FaultInjector([DeviceFault(4, (6, 7), repair_step=6), DeviceFault(12, (0, 1))],
                            check=check)
     with manager(ram_every=2) as mngr:

@@ -7,18 +7,21 @@ This package owns in-process recovery; its modules, from the loop down:
 - `timeline`: `RecoveryEvent`, `format_timeline`, and the `Recorder` timing each event;
 - `devices`: waiting for a usable mesh, dropping arrays on lost devices;
 - `state`: resharding the live state onto a new mesh, checking restore targets;
-- `programs`: `build(mesh)` results per mesh, built ahead of time in the background;
+- `programs`: `build(mesh)` results per mesh, built ahead of time in the background,
+  and whether one is built (`Elastic.compiled`);
 - `mesh`: the default mesh policy `shrink_data_axis`, and mesh keys;
 - `policy`: `RecoveryPolicy`, the retry budget;
 - `protocol`: `ManagerLike`, what the loop needs of a checkpoint manager;
-- `failures`: the classifier (`is_recoverable`) and the `HealthCheck`.
+- `failures`: the classifier (`is_recoverable`), what a failure says (its
+  `failed_devices` and `fault_time`; `DeviceLossError` carries both) and the `HealthCheck`.
 """
-from .failures import HealthCheck, describe_error, is_recoverable
+from .failures import DeviceLossError, HealthCheck, describe_error, is_recoverable
 from .loop import Elastic
 from .mesh import shrink_data_axis
 from .policy import RecoveryPolicy
 from .protocol import ManagerLike
 from .timeline import RecoveryEvent, format_timeline
 
-__all__ = ["Elastic", "HealthCheck", "ManagerLike", "RecoveryEvent", "RecoveryPolicy",
-           "describe_error", "format_timeline", "is_recoverable", "shrink_data_axis"]
+__all__ = ["DeviceLossError", "Elastic", "HealthCheck", "ManagerLike", "RecoveryEvent",
+           "RecoveryPolicy", "describe_error", "format_timeline", "is_recoverable",
+           "shrink_data_axis"]

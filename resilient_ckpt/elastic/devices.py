@@ -1,9 +1,10 @@
 """The failure path's device work: wait for a usable mesh, drop what was lost.
 
 This module owns the two steps between "a recoverable failure" and "the mesh
-to go on with": polling the health check until the mesh policy yields a large
-enough mesh (within the `RecoveryPolicy`'s waiting time), and deleting every
-live array with a buffer on a lost device, with jax's compiled caches.
+to go on with": taking the devices the failure names as lost, or else polling
+the health check, until the mesh policy yields a large enough mesh (within
+the `RecoveryPolicy`'s waiting time), and deleting every live array with a
+buffer on a lost device, with jax's compiled caches.
 """
 from __future__ import annotations
 
@@ -23,16 +24,24 @@ log = logging.getLogger("resilient_ckpt.elastic")
 
 def wait_for_mesh(health: HealthFn, choose: ChooseMesh, full_mesh: Mesh,
                   policy: RecoveryPolicy, ev: RecoveryEvent,
-                  waited: float) -> tuple[Mesh | None, float, str]:
-    """Health-checks every device of `full_mesh` until `choose` gives a large
+                  waited: float, named: frozenset[int] = frozenset()
+                  ) -> tuple[Mesh | None, float, str]:
+    """Finds the healthy devices of `full_mesh` until `choose` gives a large
     enough mesh, within the policy's total waiting time (`waited` seconds of
-    it already spent in this episode). Records the unhealthy devices in `ev`.
-    Returns (mesh, seconds waited in all, ""), or (None, seconds, why) when
-    the waiting time is up."""
+    it already spent in this episode): first from `named`, the ids the failure
+    says are lost, without a health check; when it names none, or to look
+    again after a poll, by health-checking every device. Records the lost
+    devices in `ev`. Returns (mesh, seconds waited in all, ""), or (None,
+    seconds, why) when the waiting time is up."""
     every = list(full_mesh.devices.flat)
     t0 = time.perf_counter()
     while True:
-        healthy = frozenset(health(every, policy.health_timeout_s))
+        if named:
+            healthy = frozenset(d for d in every if d.id not in named)
+            ev.lost_from, named = "failure", frozenset()  # a later look asks the check
+        else:
+            healthy = frozenset(health(every, policy.health_timeout_s))
+            ev.lost_from = "health check"
         ev.lost_devices = tuple(sorted(d.id for d in every if d not in healthy))
         mesh = choose(healthy, full_mesh)
         if mesh is not None and mesh.size >= policy.min_devices:

@@ -1,10 +1,31 @@
-"""The failure classifier: what a failure is, and which devices still work.
+"""The failure classifier: what a failure is, what it says, which devices still work.
 
-This module owns the two questions the elastic loop asks first:
+This module owns the questions the elastic loop asks first:
 `is_recoverable(exc)`: does this exception mean lost devices or hosts (go on
-with the rest) or a bug (re-raise)? And `HealthCheck`: which devices still
-compute? It knows the Pathways slice-down errors (through pathwaysutils where
-it is installed), multi-controller process failures and gloo peer losses.
+with the rest) or a bug (re-raise)? What does the failure itself say
+(`named_lost`, `fault_time`)? And `HealthCheck`: which devices still compute?
+It knows the Pathways slice-down errors (through pathwaysutils where it is
+installed), multi-controller process failures and gloo peer losses.
+
+What the loop reads from a failure, before anything else, so that an injected
+or custom failure can say what it knows (`DeviceLossError` sets both):
+
+- `failed_devices`: the lost devices, as `jax.Device` objects or integer
+  device ids, any iterable. jax's own `ProcessFailureError`
+  (`jax.experimental.multihost_utils.live_devices`) sets it to the set of
+  devices whose processes failed. When it is there and not empty, the loop
+  goes on without those devices and does not ask the health check about this
+  failure, and the exception is recoverable whatever its type. Ids that are
+  not in the loop's mesh are ignored.
+- `fault_time`: when the fault happened, as a `time.perf_counter()` reading
+  (the loop's clock; not `time.time()`). The timeline's detection time runs
+  from it. Without one (or with one not yet reached when the loop sees the
+  failure) it runs from the end of the last completed step, an upper bound.
+
+The other errors name no device: a Pathways slice loss is a `JaxRuntimeError`
+whose text says DATA_LOSS (or DEADLINE_EXCEEDED, NOT_FOUND, INTERNAL), a gloo
+peer loss names a peer address. For those the health check tells the lost
+devices.
 """
 from __future__ import annotations
 
@@ -12,7 +33,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import jax
@@ -46,8 +67,18 @@ def is_recoverable(exc: BaseException) -> bool:
     lost its peer (a JaxRuntimeError, or the ValueError jax raises when the
     loss surfaces at dispatch). Only `exc` itself is looked at, not its cause
     or context.
+
+    DEADLINE_EXCEEDED, NOT_FOUND and INTERNAL are ambiguous: a lost slice, or
+    a bug. They stay recoverable, as pathwaysutils has them, because a slice
+    that is back by the time of the health check shows up as one of them with
+    every device healthy, and a retry is then right. What keeps a bug reported
+    that way from looping is the loop's progress rule (`RecoveryPolicy`): it
+    fails again at the same step after each restore and ends after
+    `max_attempts` with RecoveryFailedError, which says no device was lost.
+    An exception that names lost devices (`failed_devices`, not empty) is
+    recoverable whatever its type.
     """
-    if _is_process_failure(exc):
+    if _is_process_failure(exc) or named_lost(exc):
         return True
     if not isinstance(exc, (jax.errors.JaxRuntimeError, ValueError)):
         return False
@@ -85,6 +116,51 @@ def _is_process_failure(exc: BaseException) -> bool:
     except ImportError:  # an older jax without live_devices
         return False
     return isinstance(exc, ProcessFailureError)
+
+
+class DeviceLossError(jax.errors.JaxRuntimeError):
+    """A lost-device failure that says which devices and when: raise it from
+    your own monitoring (or a fault injector) to have the loop go on without
+    `devices` (jax.Device objects or ids) at once, timing detection from
+    `fault_time` (`time.perf_counter()`, default now). Its text starts with
+    DATA_LOSS, as a Pathways slice loss does, so pathwaysutils agrees."""
+
+    def __init__(self, devices: Iterable[Any], why: str = "devices lost",
+                 fault_time: float | None = None):
+        ids = sorted(_device_id(d) for d in devices)
+        super().__init__(f"DATA_LOSS: {why} (devices {ids})")
+        self.failed_devices = frozenset(ids)
+        self.fault_time = time.perf_counter() if fault_time is None else fault_time
+
+
+def named_lost(exc: BaseException) -> frozenset[int]:
+    """The ids of the devices `exc` says are lost (its `failed_devices`), or
+    an empty set when it does not say (or says something unreadable)."""
+    devices = getattr(exc, "failed_devices", None)
+    if devices is None or isinstance(devices, (str, bytes)):
+        return frozenset()
+    try:
+        return frozenset(_device_id(d) for d in devices)
+    except (TypeError, ValueError) as e:
+        log.warning("ignoring the failed_devices of %s, which are neither devices nor ids: %s",
+                    type(exc).__name__, e)
+        return frozenset()
+
+
+def _device_id(d: Any) -> int:
+    return int(d.id) if hasattr(d, "id") else int(d)
+
+
+def fault_time(exc: BaseException, seen_at: float) -> float | None:
+    """`exc.fault_time` (a `time.perf_counter()` reading) when it is a number
+    not later than `seen_at`, when the loop saw the failure; else None."""
+    t = getattr(exc, "fault_time", None)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t <= seen_at:
+        if t is not None:
+            log.warning("ignoring fault_time=%r of %s: not a time.perf_counter() reading "
+                        "before the failure reached the loop", t, type(exc).__name__)
+        return None
+    return float(t)
 
 
 def warm_up() -> None:

@@ -1,9 +1,10 @@
 """The elastic loop: survive lost devices in-process, and scale back up.
 
 This module owns `Elastic`, what happens between "a step raised" and "the
-next step completed": with the verdict and the health check of `failures`, it
-chooses the mesh to go on with (`mesh.shrink_data_axis`, `devices`), restores
-the last viable step onto it through the checkpoint manager (`protocol`),
+next step completed": with the verdict of `failures` and the lost devices
+the failure names (else the health check's answer), it chooses the mesh to go
+on with (`mesh.shrink_data_axis`, `devices`), restores the last viable step
+onto it through the checkpoint manager (`protocol`),
 re-enters the user's training function, and grows the mesh back
 (`scaleup`). The record of each event is kept by `timeline`; the programs
 built ahead of time by `programs`.
@@ -21,10 +22,14 @@ The user's loop stays a plain loop inside one function that takes the mesh:
             el.save(step, state)              # saves when due; may scale up here
         return state
 
-A recoverable failure unwinds `train`; `run` records it, health-checks the
+A recoverable failure unwinds `train`; `run` records it, takes the lost
+devices from the failure (its `failed_devices`) or else health-checks the
 devices, drops arrays on the lost ones and the compiled caches, builds the
 smaller mesh and calls `train(mesh)` again, whose `el.restore` now restores the
 newest viable step (RAM tier first) onto it. Anything else is re-raised at once.
+The attempts are bounded by progress: a failure that comes back before
+training gets past the highest step completed before it counts against
+`RecoveryPolicy.max_attempts`, so one that recurs at the same step ends.
 When lost devices pass the health check again, `el.save` interrupts the loop at
 the next save point and training resumes on the larger mesh from that very
 step (resharded from the live state: no step is lost). The loop is for one
@@ -36,21 +41,22 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
+import jax
 from jax.sharding import Mesh
 
 from ..errors import RecoveryFailedError
 from .devices import drop_arrays, wait_for_mesh
-from .failures import HealthCheck, HealthFn, is_recoverable, warm_up
+from .failures import HealthCheck, HealthFn, is_recoverable, named_lost, warm_up
 from .mesh import ChooseMesh, mesh_ids, mesh_shape, shape_str, shrink_data_axis
 from .policy import RecoveryPolicy
 from .programs import Programs
 from .protocol import ManagerLike
 from .scaleup import ScaleUpWatcher
 from .state import check_on_mesh, reshard_live, standard_restore, standard_save
-from .timeline import Recorder, RecoveryEvent
+from .timeline import Recorder, RecoveryEvent, no_loss_advice
 
 log = logging.getLogger("resilient_ckpt.elastic")
 
@@ -78,8 +84,9 @@ class Elastic:
     state); `program(mesh)` returns it, cached per mesh. With it the loop
     builds ahead of time, in a background thread, the programs for the
     `precompile` likeliest smaller meshes (each one data row lost) once the
-    first step is done, and for a larger mesh as soon as lost devices are back
-    (scaling up at the first save point after it is built, or after
+    first step is done (`compiled(mesh)` says whether one is ready), and for
+    a larger mesh as soon as lost devices are back (scaling up at the first
+    save point after it is built, or after
     `grow_wait_s`, whichever comes first), so no compile sits on the recovery
     path. `build` must not depend on anything but the mesh.
     """
@@ -138,6 +145,19 @@ class Elastic:
             raise ValueError("Elastic.program needs Elastic(..., build=fn), fn(mesh) making "
                              "the step and abstract state for a mesh")
         return self._programs.get(mesh if mesh is not None else self.mesh)
+
+    def compiled(self, target: Mesh | Collection[jax.Device]) -> bool:
+        """Whether the program for `target` is ready: `build` has returned for
+        that mesh (ahead of time or through `program`), so going on with it
+        costs no compile. `target` is a mesh, or devices (e.g. the survivors
+        of a failure), meaning the mesh `choose_mesh` makes of them. False
+        while it is being built, after its build failed, after a lost device
+        dropped it, for devices too few for any mesh, and without `build=`."""
+        if self._programs is None:
+            return False
+        mesh = target if isinstance(target, Mesh) else self._choose(frozenset(target),
+                                                                    self.full_mesh)
+        return mesh is not None and self._programs.built(mesh)
 
     def restore(self, abstract: Any = None, init: Callable[[], Any] | None = None, *,
                 init_step: int = 0, args: Any = None) -> tuple[Any, int]:
@@ -215,19 +235,22 @@ class Elastic:
     # -------------------------------------------------------------- events
 
     def _recover(self, exc: Exception) -> None:
-        """After a recoverable failure: records it, waits for a usable mesh,
-        drops what was on the lost devices and makes that mesh current."""
+        """After a recoverable failure: records it, waits for a usable mesh
+        (without the devices the failure names, else the healthy ones), drops
+        what was on the lost devices and makes that mesh current."""
         t_detect = time.perf_counter()
         self._stash = None
         ev = self._rec.failure(exc, self.mesh, t_detect)
         log.warning("elastic: step %d failed with %s; recovering", ev.step, ev.error)
         if ev.attempt > self.retry.max_attempts:
-            self._give_up(ev, f"{self.retry.max_attempts} attempts without a completed step")
+            self._give_up(ev, exc, f"{self.retry.max_attempts} attempts without progress past "
+                          f"step {self._rec.best}", no_loss_advice(self._rec.episode, ev))
         self._rec.episode.append(ev)
         mesh, self._rec.waited, why = wait_for_mesh(self._health, self._choose, self.full_mesh,
-                                                    self.retry, ev, self._rec.waited)
+                                                    self.retry, ev, self._rec.waited,
+                                                    named_lost(exc))
         if mesh is None:
-            self._give_up(ev, why)
+            self._give_up(ev, exc, why)
         lost = set(self.full_mesh.devices.flat) - set(mesh.devices.flat)
         drop_arrays(lost, self._clear_caches)
         if self._programs is not None:
@@ -243,16 +266,18 @@ class Elastic:
         exc.__traceback__ = None
         self._rec.ready()
 
-    def _give_up(self, ev: RecoveryEvent, why: str) -> NoReturn:
+    def _give_up(self, ev: RecoveryEvent, exc: Exception, why: str,
+                 advice: str | None = None) -> NoReturn:
         attempts = self._rec.give_up(ev, why)
+        if advice is None:
+            advice = ("Check the devices (the health check errors above), then relaunch the "
+                      "job, which resumes from that step; or allow more with "
+                      "RecoveryPolicy(max_attempts=, max_wait_s=).")
         raise RecoveryFailedError(
             f"elastic recovery gave up after the failure at step {ev.step}: {why}.\n"
             f"Attempts:\n{attempts}\n"
             f"The newest viable checkpoint is step {self.manager.latest_step()} in "
-            f"{self.manager.directory}. "
-            "Check the devices (the health check errors above), then relaunch the job, "
-            "which resumes from that step; or allow more with RecoveryPolicy(max_attempts=, "
-            "max_wait_s=).")
+            f"{self.manager.directory}. {advice}") from exc
 
     def _scale_up(self, step: int, state: Any, recheck: bool) -> None:
         """At a save point: re-checks the returning devices (unless they were

@@ -1,9 +1,10 @@
 """Ahead-of-time programs: what `build(mesh)` returns, built before it is needed.
 
-This module owns the per-mesh cache of the user's `build(mesh)` results and
-the background thread that fills it for the meshes the loop is likely to need
+This module owns the per-mesh cache of the user's `build(mesh)` results, the
+background thread that fills it for the meshes the loop is likely to need
 (each one data row lost; a larger mesh once lost devices are back), so that a
-compile leaves the recovery path.
+compile leaves the recovery path, and the answer to "is that mesh's program
+ready?" (`built`).
 """
 from __future__ import annotations
 
@@ -87,6 +88,13 @@ class Programs:
         with self._lock:
             fut = self._futures.get(mesh_key(mesh))
         return fut is None or fut.done()
+
+    def built(self, mesh: Mesh) -> bool:
+        """`build(mesh)` has returned, and its result is held: `get` will not
+        wait or build. False while building, after a failed build, or never asked."""
+        with self._lock:
+            fut = self._futures.get(mesh_key(mesh))
+        return fut is not None and fut.done() and fut.exception() is None
 
     def get(self, mesh: Mesh) -> Any:
         """The program for `mesh`: waits for one being built, else builds it now."""

@@ -2,9 +2,10 @@
 
 This module owns the record (`RecoveryEvent`, `format_timeline`) and its
 bookkeeping (`Recorder`): when the fault happened, when the loop was ready to
-re-enter the training function, when the restore was done, which failures in a
-row make one episode (the attempt budget), and when the event ends with the
-first completed step after it.
+re-enter the training function, when the restore was done, which failures
+make one episode (the attempt budget: failures without progress, that is
+without completing a step beyond the highest one completed before them), and
+when the event ends with the first completed step after it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import jax
 from jax.sharding import Mesh
 
-from .failures import describe_error, first_line
+from .failures import describe_error, fault_time, first_line
 from .mesh import mesh_ids, mesh_shape, shape_str
 
 log = logging.getLogger("resilient_ckpt.elastic")
@@ -28,6 +29,10 @@ EventKind = Literal["failure", "scale_up"]
 @dataclasses.dataclass
 class RecoveryEvent:
     """One failure (or one scale-up) and what the loop did about it.
+
+    `lost_devices`: the devices the loop went on without, as the failure named
+    them (`lost_from` "failure": its `failed_devices`) or as the health check
+    found them (`lost_from` "health check").
 
     Times are seconds: `detect_s` from the fault (its `fault_time` when the
     exception carries one, as injected faults do; otherwise the end of the last
@@ -46,7 +51,8 @@ class RecoveryEvent:
     error: str = ""
     devices_before: tuple = ()
     devices_after: tuple = ()
-    lost_devices: tuple = ()       # unhealthy at the check (failure)
+    lost_devices: tuple = ()       # named by the failure, or unhealthy at the check
+    lost_from: str = ""            # "failure" or "health check"
     mesh_after: dict = dataclasses.field(default_factory=dict)
     restored_step: int | None = None
     restored_from: dict = dataclasses.field(default_factory=dict)  # tier -> bytes
@@ -71,8 +77,9 @@ class RecoveryEvent:
             what = (f"scale-up at save {where}: {len(self.devices_before)} -> "
                     f"{len(self.devices_after)} devices")
         else:
-            what = (f"attempt {self.attempt}, {where} failed ({self.error}); "
-                    f"unhealthy devices {list(self.lost_devices)}")
+            what = f"attempt {self.attempt}, {where} failed ({self.error})"
+            if self.lost_from:
+                what += f"; lost devices {list(self.lost_devices)} (by the {self.lost_from})"
             if self.mesh_after:
                 what += (f"; mesh {shape_str(self.mesh_after)} "
                          f"({len(self.devices_after)} devices)")
@@ -111,13 +118,28 @@ def format_timeline(events: Sequence[RecoveryEvent]) -> str:
                      for r in rows)
 
 
+def no_loss_advice(earlier: Sequence[RecoveryEvent], ev: RecoveryEvent) -> str | None:
+    """What to do when the attempts ran out (`ev` one too many) and none of
+    the `earlier` attempts lost a device of its mesh; None when one did."""
+    if any(set(e.lost_devices) & set(e.devices_before) for e in earlier):
+        return None
+    where = (f"step {ev.step} failed again" if all(e.step == ev.step for e in earlier)
+             else "the steps failed again")
+    return (f"No device was lost in any attempt, and {where} after each restore: this "
+            f"looks like an error of the step itself (a bug or bad input, reported as "
+            f"{ev.error}), not a lost device. Fix it, then relaunch the job, which resumes "
+            "from that checkpoint.")
+
+
 class Recorder:
     """The timeline, the event in progress and its clock.
 
     `events`: every event so far. `pending`: the event waiting for its first
-    completed step. `episode`: the failures in a row without a completed step
-    (the attempt budget), `waited` the seconds they spent waiting for devices.
-    `done`: the last completed (or restored) step.
+    completed step. `episode`: the failures since the last progress (the
+    attempt budget), `waited` the seconds they spent waiting for devices.
+    `done`: the last completed (or restored) step. `best`: the highest step
+    ever completed; only a completed step above it is progress, and ends the
+    episode (a step replayed after a restore is not).
     """
 
     def __init__(self) -> None:
@@ -126,15 +148,19 @@ class Recorder:
         self.episode: list[RecoveryEvent] = []
         self.waited = 0.0
         self.done: int | None = None
+        self.best: int | None = None
         self._mark = time.perf_counter()   # when `done` completed (or was restored)
         self._t_fault = self._t_ready = self._t_restored = 0.0
 
     def failure(self, exc: BaseException, mesh: Mesh, t_detect: float) -> RecoveryEvent:
         """Records a failure of the step after `done` on `mesh`, seen at `t_detect`."""
-        fault_time = getattr(exc, "fault_time", None)
-        if self.pending is not None:
-            self.pending.outcome = f"failed again: {describe_error(exc)}"
-        self._t_fault = fault_time if isinstance(fault_time, float) else self._mark
+        t_fault = fault_time(exc, t_detect)
+        prev = self.pending or (self.episode[-1] if self.episode else None)
+        if prev is not None:  # no progress since: this failure is its next attempt
+            prev.outcome = (f"failed again: {describe_error(exc)}" if prev.first_step is None
+                            else f"resumed at step {prev.first_step}, then step "
+                                 f"{(self.done or 0) + 1} failed before any progress")
+        self._t_fault = t_fault if t_fault is not None else self._mark
         ev = RecoveryEvent("failure", (self.done + 1) if self.done is not None else 0,
                            error=describe_error(exc), devices_before=mesh_ids(mesh),
                            detect_s=max(0.0, t_detect - self._t_fault),
@@ -175,7 +201,11 @@ class Recorder:
 
     def completed(self, step: int, state: Any) -> None:
         """`step` completed: the first one after a recovery or scale-up closes
-        its event (waiting for `state`, so the time is honest)."""
+        its event (waiting for `state`, so the time is honest); one above
+        `best` is progress, and ends the episode."""
+        if self.best is None or step > self.best:
+            self.best = step
+            self.episode, self.waited = [], 0.0
         ev = self.pending
         if ev is None:
             return
@@ -187,7 +217,6 @@ class Recorder:
         ev.total_s = now - self._t_fault
         ev.outcome = "resumed"
         self.pending = None
-        self.episode, self.waited = [], 0.0
         log.warning("elastic: %s", ev.summary())
 
     def saved(self, step: int) -> None:
