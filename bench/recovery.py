@@ -23,6 +23,14 @@ within each repeat so that other tenants' noise hits all alike:
 - orbax / relaunch_compile_cache: the same with jax's persistent compilation
   cache already holding the step (the best a relaunch can do on compiles).
 
+Then the multi-process case "relaunch_lost_host" (`--only relaunch` runs it
+alone; bench/_relaunch_case.py, at --relaunch-size): a 2-process jax.distributed job under
+resilient_ckpt.elastic.supervisor loses host 1 (SIGKILL, its /dev/shm
+directory removed); the whole set is relaunched and restores, ours from the
+survivor's RAM (host 1's share from its replica) plus the shared tier, against
+Orbax's emergency CheckpointManager in the same job; timed from the SIGKILL
+to the first step done after the restore.
+
 Then one goodput run: --goodput-steps steps with devices 4-7 failing every
 --fail-every steps and coming back --fail-every/2 steps later; goodput = time
 on steps that are kept / wall time (a kept step counts for the median step time
@@ -33,6 +41,7 @@ Output (docs/bench_contract.md): JSON lines on stdout, the summary last; logs on
     python bench/recovery.py                  # 1 GB state, 3 repeats; goodput 1000 steps at 256 MB
     python bench/recovery.py --quick          # 128 MB, 2 repeats; goodput 400 steps at 64 MB
     python bench/recovery.py --sizes 512MB --repeats 5 --plot docs/benchmarks_recovery.png
+    python bench/recovery.py --only relaunch --relaunch-size 1GB --repeats 3
 """
 from __future__ import annotations
 
@@ -68,7 +77,9 @@ GOALS = {  # summary key prefix -> (comparison, goal), from the issue
     "loop_fraction_of_relaunch": ("<=", 0.10),
     "goodput": (">=", 0.90),
     "steps_lost_max_vs_ram_interval": ("<=", 1.0),
+    "relaunch_lost_host_fraction_of_orbax_emergency": ("<=", 1.0),
 }
+CASES = ("loop", "relaunch", "goodput")
 log = logging.getLogger("bench.recovery")
 
 
@@ -356,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-every", type=int, default=50, help="local tier interval (default 50)")
     ap.add_argument("--workdir", default=None, help="directory for the local tiers and Orbax")
     ap.add_argument("--shm", default="/dev/shm", help="tmpfs for the RAM tier")
+    ap.add_argument("--relaunch-size", type=size_option, default=None, metavar="SIZE",
+                    help="state size of the relaunch case (default 256MB; --quick 8MB)")
+    ap.add_argument("--grace-s", type=float, default=1.0,
+                    help="relaunch case: seconds between SIGTERM and SIGKILL of the "
+                         "survivors (default 1)")
+    ap.add_argument("--only", action="append", choices=CASES, default=None,
+                    help="run only these cases (repeatable; default: all)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--orbax-dir", help=argparse.SUPPRESS)
@@ -376,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     check = HealthCheck()
     check.prepare(jax.devices()[:8])
     summary: dict = {}
+    only = set(a.only or CASES)
     try:
-        for n in a.sizes:
+        for n in (a.sizes if "loop" in only else []):
             m = measure_size(a, n, check)
             label = size_label(n)
             summary[f"loop_fraction_of_relaunch_{label}"] = m["loop"] / m["relaunch"]
@@ -385,10 +404,16 @@ def main(argv: list[str] | None = None) -> int:
                 m["loop"] / m["relaunch_compile_cache"])
             summary[f"recovery_speedup_vs_relaunch_{label}"] = m["relaunch"] / m["loop"]
             summary[f"loop_jit_fraction_of_relaunch_{label}"] = m["loop_jit"] / m["relaunch"]
-        g = goodput(a, goodput_bytes, check)
-        summary[f"goodput_{size_label(goodput_bytes)}"] = g["goodput"]
-        lost = [s for s in g["steps_lost"] if s is not None]
-        summary["steps_lost_max_vs_ram_interval"] = (max(lost) / a.ram_every) if lost else None
+        if "relaunch" in only:
+            import _relaunch_case
+            summary.update(_relaunch_case.measure(
+                a, a.relaunch_size or (8 if a.quick else 256) * 10**6, emit, size_label))
+        if "goodput" in only:
+            g = goodput(a, goodput_bytes, check)
+            summary[f"goodput_{size_label(goodput_bytes)}"] = g["goodput"]
+            lost = [s for s in g["steps_lost"] if s is not None]
+            summary["steps_lost_max_vs_ram_interval"] = (
+                max(lost) / a.ram_every if lost else None)
     finally:
         if own:
             shutil.rmtree(a.workdir, ignore_errors=True)

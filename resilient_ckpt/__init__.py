@@ -19,6 +19,7 @@ from .errors import (
     AgreementError,
     CheckpointError,
     CorruptCheckpointError,
+    DirectoryInUseError,
     ItemNotFoundError,
     RecoveryFailedError,
     SaveFailedError,
@@ -26,6 +27,7 @@ from .errors import (
     StepNotFoundError,
     StorageError,
     TargetMismatchError,
+    UnsafeDirectoryError,
     UnsupportedArgsError,
     UnsupportedFormatError,
 )
@@ -52,6 +54,8 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "ItemNotFoundError", "SaveFailedError",
     "StepAlreadyExistsError", "StepNotFoundError", "StorageError", "TargetMismatchError",
     "UnsupportedArgsError", "UnsupportedFormatError", "RecoveryFailedError", "AgreementError",
+    "DirectoryInUseError",
+    "UnsafeDirectoryError",
     # the elastic loop
     "Elastic", "ManagerLike", "RecoveryPolicy", "RecoveryEvent", "HealthCheck",
     "is_recoverable", "shrink_data_axis", "format_timeline",

@@ -39,15 +39,27 @@ from .storage.base import Storage
 
 
 class JobView:
-    """What every process reported at one agreement, decided alike everywhere."""
+    """What every process reported at one agreement, decided alike everywhere:
+    the shares, and (only when some saves newer than every agreed step are
+    `unsettled`) the boxes of a second round, `cover`."""
 
     def __init__(self, views: Sequence[dict]):
-        reports = [[shares.Share.from_json(v) for v in x["shares"]] for x in views]
-        self.steps = shares.agree(reports)
+        self._reports = [[shares.Share.from_json(v) for v in x["shares"]] for x in views]
+        self.steps = shares.agree(self._reports)
         self.pending: set[int] = set().union(*(set(x["pending"]) for x in views))
         self.errors = [(q, e) for q, x in enumerate(views) for e in x["errors"]]
-        orbax = set.intersection(*(set(x["orbax"]) for x in views))
-        self.orbax = orbax - set(self.steps)
+        self._orbax = set.intersection(*(set(x["orbax"]) for x in views))
+        self.orbax = self._orbax - set(self.steps)
+        # Saves no share rule counted, for the second round (`cover`).
+        self.unsettled = shares.unsettled(self._reports, self.steps, self.pending)
+
+    def cover(self, views: Sequence[dict]) -> None:
+        """Adds the unsettled saves that the boxes every process can read
+        (`shares.box_report`, exchanged in a second round) tile together."""
+        boxes = [x["boxes"] for x in views]
+        for step, a in shares.covered(self._reports, self.unsettled, boxes).items():
+            self.steps.setdefault(step, a)  # unsettled steps are newer than every agreed one
+        self.orbax = self._orbax - set(self.steps)
 
     def complete_in(self, tier: str) -> list[int]:
         """Steps that `tier` holds every process's share of, oldest first."""
@@ -136,13 +148,20 @@ class Catalog:
 
     def delete(self, tier: str, storage: Storage, step: int) -> None:
         """Forgets `step` in `tier` and deletes it there (on a shared tier only
-        process 0 deletes; the others only forget it)."""
+        process 0 deletes); a failed delete puts it back (it may be whole)."""
         with self._lock:
-            self._views.get(tier, {}).pop(step, None)
-            self._cache = None
+            views, self._cache = self._views, None
+            old = views.get(tier, {}).pop(step, None)
         if storage.shared and self.peers.index != 0:
             return
-        commit.delete_step(storage, self._naming, step)
+        try:
+            commit.delete_step(storage, self._naming, step)
+        except BaseException:
+            with self._lock:
+                if old is not None and self._views is views:  # no reload meanwhile
+                    views.setdefault(tier, {}).setdefault(step, old)
+                    self._cache = None
+            raise
 
     def add_bad(self, pairs: Iterable[tuple[str, str]]) -> None:
         """(tier, chunk key) copies that failed a read: never selected again."""
@@ -247,6 +266,10 @@ class Catalog:
                     errors=list(errors), orbax=orbax, **(extra or {}))
         views = self.peers.exchange(what, view)
         job = JobView(views)
+        if job.unsettled:  # decided from exchanged data: every process asks, or none
+            report = shares.box_report(obs, self.names, bad, job.unsettled)
+            job.cover(self.peers.exchange(f"{what} (boxes of saves no share makes whole)",
+                                          {"boxes": report}))
         with self._lock:
             self._job = job
         return views

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import errno
 import logging
 import time
 from collections.abc import Callable
 
 from . import layout, manifest as mf, transfer
+from .claim import read as read_claim
 from .errors import CorruptCheckpointError, StepAlreadyExistsError
 from .selection import TierStep
 from .snapshot import Snapshot
@@ -47,7 +49,8 @@ class TierWrite:
 def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Snapshot,
                header: dict, io: cf.Executor, encoding: Encoding | None = None,
                on_commit: Callable[[mf.Manifest], None] | None = None,
-               primary_only: bool = False) -> TierWrite:
+               primary_only: bool = False, claim: Callable[[], None] | None = None
+               ) -> TierWrite:
     """Writes `snap` (only its primary chunks, on a tier every host shares) to
     `storage` and commits it; raises on failure, after removing what it wrote
     (never anything committed)."""
@@ -69,13 +72,14 @@ def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Sna
                            **header)
     idx = snap.indices(primary_only)
     return _commit(storage, tier, snap.step, d, [snap.chunks[i].key for i in idx],
-                   [(put, i) for i in idx], manifest, io, on_commit, "host snapshot")
+                   [(put, i) for i in idx], manifest, io, on_commit, "host snapshot", claim)
 
 
 def copy_step(storage: Storage, tier: str, naming: layout.StepNaming, m: mf.Manifest,
               sources: list[tuple[str, Storage]], io: cf.Executor, encoding: Encoding,
               on_commit: Callable[[mf.Manifest], None] | None = None,
-              only: frozenset[str] | None = None) -> TierWrite:
+              only: frozenset[str] | None = None,
+              claim: Callable[[], None] | None = None) -> TierWrite:
     """Copies one process's committed step `m` (only the chunks in `only`,
     when given) from the first of `sources` (tier name, storage) whose copy of
     each chunk verifies, encoding on the way, and commits it to `storage` under
@@ -103,14 +107,17 @@ def copy_step(storage: Storage, tier: str, naming: layout.StepNaming, m: mf.Mani
     def manifest(stored: dict) -> mf.Manifest:
         return dataclasses.replace(m, items=_with_stored(m.items, stored))
     tw = _commit(storage, tier, m.step, d, [c.key for c in chunks], [(put, c) for c in chunks],
-                 manifest, io, on_commit, None)
+                 manifest, io, on_commit, None, claim)
     return dataclasses.replace(tw, source="+".join(n for n, _ in sources if n in used) or None)
 
 
 def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], jobs: list,
             manifest: Callable[[dict], mf.Manifest], io: cf.Executor,
-            on_commit: Callable[[mf.Manifest], None] | None, source: str | None) -> TierWrite:
-    """Runs the chunk jobs on `io`, then commits the manifest create-only."""
+            on_commit: Callable[[mf.Manifest], None] | None, source: str | None,
+            claim: Callable[[], None] | None = None) -> TierWrite:
+    """Runs the chunk jobs on `io`, then takes the step's `claim` (claim.py;
+    it raises if another save holds the step) and commits the manifest
+    create-only."""
     t0 = time.perf_counter()
     storage.begin_write(d)
     committing = False
@@ -128,23 +135,32 @@ def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], job
         storage.flush(d)
         m = manifest(stored)
         name = layout.manifest_name(m.process_index, m.process_count)
+        if claim is not None:
+            claim()
         committing = True
         if not storage.put_if_absent(f"{d}/{name}", mf.to_json(m)):
             committing = False
             raise StepAlreadyExistsError(
                 f"step {step} was committed to the {tier} tier ({storage.url}/{d}) "
                 "by another writer first; this save of it was dropped")
-    except BaseException:
-        if committing:
+    except BaseException as e:
+        if committing and not getattr(e, "nothing_written", False):
             # The commit itself failed, so whether our manifest landed is
             # unknown: removing the chunks could tear a committed step. They
             # stay; without a manifest, cleanup or orphan collection removes them.
             log.warning("commit of step %d to the %s tier (%s/%s) failed with its "
                         "outcome unknown; its chunks are left in place", step, tier,
                         storage.url, d)
-        else:
-            _remove(storage, d, keys)
+            storage.end_write(d)
+            raise
+        # Known not committed (a chunk failed, another writer won, or the
+        # manifest's write failed before its link, as on a full disk).
+        _remove(storage, d, keys)
         storage.end_write(d)
+        try:
+            storage.remove_empty_dir(d)
+        except OSError:
+            pass  # not empty after all, or gone: cleanup has it either way
         raise
     storage.end_write(d)
     if on_commit is not None:
@@ -158,7 +174,9 @@ def _remove(storage: Storage, d: str, keys: list[str]) -> None:
     of another save is touched). Any chunk may have landed, even one whose put
     reported a failure, so all are tried; the first failure stops it (the rest
     are orphans that cleanup collects) so a dead network does not hold the
-    worker for one retry deadline per chunk."""
+    worker for one retry deadline per chunk. On a file tier, this writer's
+    temporaries left in `d` go too (a remote tier's parts are removed by its
+    upload)."""
     for key in keys:
         try:
             storage.delete(f"{d}/{key}")
@@ -166,6 +184,16 @@ def _remove(storage: Storage, d: str, keys: list[str]) -> None:
             log.warning("could not remove %s/%s/%s after a failed save (%s); later cleanup "
                         "removes it", storage.url, d, key, e)
             return
+    if storage.remote:
+        return
+    me = layout.Writer.me()
+    try:
+        for n in storage.list(d):
+            if layout.parse_tmp_name(n) == me:
+                storage.delete(f"{d}/{n}")
+    except OSError as e:
+        log.warning("could not remove temporaries in %s/%s after a failed save (%s); "
+                    "later cleanup removes them", storage.url, d, e)
 
 
 def _with_stored(items: tuple, stored: dict) -> tuple:
@@ -175,24 +203,39 @@ def _with_stored(items: tuple, stored: dict) -> tuple:
         for lf in it.leaves)) for it in items)
 
 
+# What reading or parsing one manifest copy may raise when its file is damaged
+# or hostile (deep nesting, a huge size, bad bytes). Each makes that copy
+# unusable, with the reason kept: one bad file never stops a manager from
+# opening, nor hides another step or another tier's copy.
+_UNREADABLE = (CorruptCheckpointError, OSError, RecursionError, MemoryError, UnicodeError,
+               ValueError)
+
+
 def read_manifests(storage: Storage, d: str, names: list[str]) -> tuple:
-    out: list[mf.Manifest | CorruptCheckpointError] = []
-    for name in sorted(names):
-        if layout.parse_manifest_name(name) is None:
-            continue
-        where = f"{storage.url}/{d}/{name}"
-        try:
-            m = mf.parse(storage.read(f"{d}/{name}"), where)
-            if layout.parse_manifest_name(name) != (m.process_index, m.process_count):
-                raise CorruptCheckpointError(
-                    f"{where}: holds process {m.process_index} of {m.process_count}, "
-                    "which its name contradicts")
-            out.append(m)
-        except (CorruptCheckpointError, OSError) as e:
-            log.warning("ignoring %s: %s", where, e)
-            out.append(e if isinstance(e, CorruptCheckpointError)
-                       else CorruptCheckpointError(f"{where}: unreadable: {e}"))
-    return tuple(out)
+    """The manifests among `names` in step directory `d`, each parsed, or the
+    CorruptCheckpointError saying why that copy cannot be used (logged once as
+    a warning, never raised)."""
+    return tuple(_read_manifest(storage, d, name) for name in sorted(names)
+                 if layout.parse_manifest_name(name) is not None)
+
+
+def _read_manifest(storage: Storage, d: str, name: str) -> mf.Manifest | CorruptCheckpointError:
+    where = f"{storage.url}/{d}/{name}"
+    try:
+        m = mf.parse(storage.read(f"{d}/{name}", max_bytes=mf.MAX_MANIFEST_BYTES), where)
+        if layout.parse_manifest_name(name) != (m.process_index, m.process_count):
+            raise CorruptCheckpointError(
+                f"{where}: holds process {m.process_index} of {m.process_count}, "
+                "which its name contradicts")
+        return m
+    except _UNREADABLE as e:
+        err = e if isinstance(e, CorruptCheckpointError) else CorruptCheckpointError(
+            f"{where}: unreadable ({type(e).__name__}: {e})")
+        if err is not e:
+            err.__cause__ = e
+        log.warning("ignoring the manifest %s; its step is read from other copies, if "
+                    "any: %s", where, err)
+        return err
 
 
 def tier_step(tier: str, manifests: tuple) -> TierStep:
@@ -212,11 +255,19 @@ def _manifest_names(storage: Storage, d: str) -> list[str]:
 
 def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int
                  ) -> TierStep | None:
+    """What `tier` holds of `step` (None: no manifest). A step directory that
+    cannot be listed shows as one unusable copy, with the reason, never an error."""
     d = naming.name(step)
-    if storage.sizes_from_manifest:
-        manifests = read_manifests(storage, d, _manifest_names(storage, d))
-        return tier_step(tier, manifests) if manifests else None
-    names = storage.list(d)
+    try:
+        if storage.sizes_from_manifest:
+            manifests = read_manifests(storage, d, _manifest_names(storage, d))
+            return tier_step(tier, manifests) if manifests else None
+        names = storage.list(d)
+    except OSError as e:
+        err = CorruptCheckpointError(f"{storage.url}/{d}: cannot be listed ({e}); its "
+                                     "step is read from other tiers, if any")
+        log.warning("%s", err)
+        return TierStep(tier, (err,), {})
     manifests = read_manifests(storage, d, names)
     if not manifests:
         return None
@@ -225,8 +276,18 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
     for m in manifests:
         if isinstance(m, mf.Manifest):
             for _, _, c in m.chunks():
-                sizes[c.key] = storage.size(f"{d}/{c.key}") if c.key in present else None
+                sizes[c.key] = _size(storage, d, c.key) if c.key in present else None
     return TierStep(tier, manifests, sizes)
+
+
+def _size(storage: Storage, d: str, key: str) -> int | None:
+    """The object's size, or None (no usable copy) where it cannot be asked."""
+    try:
+        return storage.size(f"{d}/{key}")
+    except OSError as e:
+        log.warning("%s/%s/%s: cannot be read (%s); another copy is used", storage.url, d,
+                    key, e)
+        return None
 
 
 def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int, TierStep]:
@@ -234,7 +295,9 @@ def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int,
 
     A remote tier is observed with one listing of its step directories and,
     per step, one listing of that step's manifests and a read of each, several
-    steps at once: never a listing of every object.
+    steps at once: never a listing of every object. A damaged step (a manifest
+    that does not read or parse, a directory that does not list) shows with
+    its reasons and is never raised; only a tier root that cannot be listed is.
     """
     steps = sorted(s for s in map(naming.parse, storage.list("")) if s is not None)
     if storage.shared and len(steps) > 1:
@@ -249,30 +312,60 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     """Removes leftovers of dead writers on this host; returns what it removed.
 
     Only what is recognisably ours is touched: temporaries and markers of dead
-    writers, and the chunks of an uncommitted step (no manifest) that no live
-    writer is working on. A directory holding anything else (an Orbax step, a
-    user's file) keeps those entries. Entries are deleted one by one from the
-    listing, so a save that starts in the directory meanwhile keeps its files.
+    writers, and the chunks and claims of an uncommitted step (no manifest)
+    that no live writer is working on (a claim names its writer). A directory
+    holding anything else (an Orbax step, a user's file) keeps those entries.
+    Entries are deleted one by one from the listing, so a save that starts in
+    the directory meanwhile keeps its files.
+    An entry the storage refuses (a link, a directory where a chunk should be)
+    is logged and skipped: it never stops the cleanup of the rest.
     """
     removed = []
     for name in storage.list(""):
         if naming.parse(name) is None:
             continue
-        names = storage.list(name)
-        owners = [layout.parse_marker_name(n) or layout.parse_tmp_name(n) for n in names]
-        live = any(w is not None and w.alive() is not False for w in owners)
-        committed = any(layout.parse_manifest_name(n) for n in names)
-        here = 0
-        for n, w in zip(names, owners, strict=True):
-            dead_own = w is not None and w.alive() is False
-            orphan = not committed and not live and layout.is_chunk_name(n)
-            if dead_own or orphan:
-                storage.delete(f"{name}/{n}")
+        try:
+            names = storage.list(name)
+            owners = [layout.parse_marker_name(n) or layout.parse_tmp_name(n)
+                      or _claim_writer(storage, name, n, names) for n in names]
+            live = any(w is not None and w.alive() is not False for w in owners)
+            committed = any(layout.parse_manifest_name(n) for n in names)
+            here = 0
+            for n, w in zip(names, owners, strict=True):
+                dead_own = w is not None and w.alive() is False
+                orphan = not committed and not live and (layout.is_chunk_name(n)
+                                                         or layout.is_claim_name(n))
+                if not (dead_own or orphan):
+                    continue
+                try:
+                    storage.delete(f"{name}/{n}")
+                except OSError as e:
+                    _skipped(storage, f"{name}/{n}", e)
+                    continue
                 removed.append(f"{name}/{n}")
                 here += 1
-        if here and not committed and not live and storage.remove_empty_dir(name):
-            removed.append(name)
+            if here and not committed and not live and storage.remove_empty_dir(name):
+                removed.append(name)
+        except OSError as e:
+            _skipped(storage, name, e)
     return removed
+
+
+def _claim_writer(storage: Storage, d: str, n: str, names: list[str]) -> layout.Writer | None:
+    """The writer of claim `n` in a step directory with no manifest (a claim
+    of a committed step stays with it)."""
+    if not layout.is_claim_name(n) or any(layout.parse_manifest_name(x) for x in names):
+        return None
+    held = read_claim(storage, f"{d}/{n}")
+    return held[1] if held else None
+
+
+def _skipped(storage: Storage, what: str, e: OSError) -> None:
+    """Logs an entry cleanup could not remove; re-raises when the store itself
+    stops answering (a deadline passed), where trying the rest would only wait."""
+    if e.errno == errno.ETIMEDOUT:
+        raise e
+    log.warning("cleanup skipped %s/%s (left in place): %s", storage.url, what, e)
 
 
 def clean_tier(storage: Storage, naming: layout.StepNaming, orphan_age_s: float | None,
@@ -305,20 +398,26 @@ def collect_orphans(storage: Storage, naming: layout.StepNaming, min_age_s: floa
     from a live one on another host: age does. A save still uploading writes
     objects more often than `min_age_s`, so it is never touched; a crashed
     save or a half-finished deletion (manifests go first) leaves objects that
-    only age. Only names this package writes for chunks are removed.
+    only age. Only names this package writes for chunks are removed. A step
+    whose objects cannot be listed or removed is logged and skipped.
     """
     removed = []
     for name in storage.list(""):
-        if naming.parse(name) is None or _manifest_names(storage, name):
+        if naming.parse(name) is None:
             continue
-        ages = storage.object_ages(name)
-        if not ages or min(ages.values()) < min_age_s:
-            continue
-        for n in ages:
-            # chunks, and the parts a composed upload left behind (<chunk>.part...)
-            if layout.is_chunk_name(n.split(".part", 1)[0]):
-                storage.delete(f"{name}/{n}")
-                removed.append(f"{name}/{n}")
+        try:
+            if _manifest_names(storage, name):
+                continue
+            ages = storage.object_ages(name)
+            if not ages or min(ages.values()) < min_age_s:
+                continue
+            for n in ages:
+                # chunks, and the parts a composed upload left behind (<chunk>.part...)
+                if layout.is_chunk_name(n.split(".part", 1)[0]) or layout.is_claim_name(n):
+                    storage.delete(f"{name}/{n}")
+                    removed.append(f"{name}/{n}")
+        except OSError as e:
+            _skipped(storage, name, e)
     return removed
 
 

@@ -7,7 +7,8 @@ and every branch after it is taken from the same exchanged data:
   only process 0 deletes and cleans there, and only the job's shards are
   written there) and which each has its own of (RAM, a local SSD);
 - `start_save`: the save id (process 0's), background failures anywhere
-  (raised on every process), the views retention then decides from;
+  (raised on every process once the save has started, by `raise_failures`:
+  an old failure never costs a new save), the views retention decides from;
 - `finish` (`wait_until_finished`): failures anywhere, raised everywhere;
 - `restore`: the candidate steps, and after each attempt whether every
   process restored its part; if any could not, all move to the next older
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import dataclasses
+import errno
 import logging
 import uuid
 from collections.abc import Callable
@@ -46,6 +48,7 @@ class Coordinator:
         self._catalog, self._saver, self._directory = catalog, saver, directory
         self.peers = catalog.peers
         self._started: set[int] = set()  # steps saved since the last agreement
+        self._held: list[SaveFailedError] = []  # agreed failures raised after a save started
 
     def in_flight(self) -> set[int]:
         """Steps being written: this process's, or with several processes the
@@ -54,21 +57,21 @@ class Coordinator:
             return self._saver.pending()
         return self._catalog.pending_anywhere() | self._started
 
-    def _agree(self, what: str, extra: dict | None = None, failures: bool = True
-               ) -> list[dict]:
+    def _agree(self, what: str, extra: dict | None = None, failures: bool = True,
+               hold: bool = False) -> list[dict]:
         """One agreement; with `failures`, background failures anywhere are
-        handed over and raised on every process (else they wait for the next)."""
+        handed over and raised on every process (`hold`: by `raise_failures`)."""
         errors = self._saver.take_errors() if failures else []
         views = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
                                     extra)
         self._started.clear()
         failed = self._catalog.agreed_errors()
         if failed:
-            if errors:
-                raise errors[0]
-            q, msg = failed[0]
-            raise SaveFailedError(f"process {q} of {self.peers.count} failed a background "
-                                  f"save of {self._directory}: {msg}")
+            err = _agreed_failure(errors, failed, self.peers.index, self.peers.count,
+                                  self._directory)
+            if not hold:
+                raise err
+            self._held.append(err)
         return views
 
     # ------------------------------------------------------------ collectives
@@ -86,11 +89,12 @@ class Coordinator:
             self._agree(what, failures=False)
 
     def start_save(self, step: int) -> str:
-        """The id of a save of `step`, the same on every process."""
+        """The id of a save of `step`, the same on every process; earlier
+        failures are raised by `raise_failures`, after the save started."""
         if not self.peers.many:
-            self._saver.raise_errors()
             return uuid.uuid4().hex
-        views = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex})
+        views = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex},
+                            hold=True)
         self._saver.run_retention()
         self._started.add(step)
         return str(views[0]["save_id"])
@@ -103,7 +107,17 @@ class Coordinator:
             self._agree("wait_until_finished")
             futures.wait(self._saver.run_retention())
             self._agree("wait_until_finished (after retention)", failures=False)
+        self.raise_failures()
         self._saver.raise_errors()
+
+    def raise_failures(self) -> None:
+        """Raises, once, earlier saves' failures: with several processes those
+        the last save's agreement found; with one, all not yet raised."""
+        if self._held:
+            held, self._held = self._held, []
+            raise SaveFailedError.listing(held)
+        if not self.peers.many:
+            self._saver.raise_errors()
 
     def restore(self, step: int | None, attempt: Callable[[Choice], Any]) -> Any:
         """Restores `step` (None: the newest that works) through `attempt`;
@@ -213,15 +227,45 @@ class Coordinator:
         return filled
 
     def _restore_alone(self, step: int | None, attempt: Callable[[Choice], Any]) -> Any:
+        """Restores `step` (None: the newest that works). When the chosen step
+        vanished while being read (a concurrent writer's retention deleted
+        it), the tiers are observed again and the choice made again, at most
+        `_RELOADS` times; a step that is there but damaged falls back to the
+        next older one (step=None) or raises."""
+        reloads = 0
         while True:
-            chosen = _choose(self._catalog, step, self._directory)
+            try:
+                chosen = _choose(self._catalog, step, self._directory)
+            except StepNotFoundError:
+                # A reload can fall between a writer's deletes and its next
+                # commit: with step=None, look again.
+                if step is not None or not 0 < reloads < _RELOADS:
+                    raise
+                reloads += 1
+                self._catalog.reload()
+                continue
             try:
                 return attempt(chosen)
-            except CorruptCheckpointError as e:
-                if step is not None:
+            except (CorruptCheckpointError, StorageError, StepNotFoundError) as e:
+                if reloads < _RELOADS and _gone(e) and self._vanished(chosen):
+                    reloads += 1
+                    log.info("step %d of %s vanished while being restored (deleted by "
+                             "another writer?); choosing again", chosen.step, self._directory)
+                    continue
+                if step is not None or not isinstance(e, CorruptCheckpointError):
                     raise
                 log.warning("step %d is not restorable (%s); falling back to the next "
                             "older viable step", chosen.step, e)
+
+    def _vanished(self, chosen: Choice) -> bool:
+        """Observes the tiers again; True if a copy `chosen` relied on is gone
+        from them (the whole step, or one tier's copy), not merely damaged."""
+        self._catalog.reload()
+        again = self._catalog.viable_if_intact().get(chosen.step)
+        if again is None or again.save_id != chosen.save_id:
+            return True
+        return any(set(tiers) - set(again.sources.get(key, ()))
+                   for key, tiers in chosen.sources.items())
 
     # ------------------------------------------------------------ tiers
 
@@ -253,6 +297,32 @@ class Coordinator:
                     f"(processes see {[sorted(s) for s in sets]}): give each process a "
                     "directory of its own (e.g. RamTier(path=...) per process) or one that "
                     "every process sees")
+
+
+_RELOADS = 8  # re-observations of the tiers one restore may make
+
+
+def _gone(e: BaseException) -> bool:
+    """Whether a failed read may mean files that vanished: a missing chunk
+    reads as one with no intact copy."""
+    if isinstance(e, StorageError):
+        return e.errno == errno.ENOENT
+    return isinstance(e, (CorruptCheckpointError, StepNotFoundError))
+
+
+def _agreed_failure(errors: list[SaveFailedError], failed: list[tuple[int, str]],
+                    index: int, count: int, directory: str) -> SaveFailedError:
+    """One error for the failures a job agreed on: this process's own as they
+    are, with every other process's listed beside them."""
+    if errors and all(q == index for q, _ in failed):
+        return SaveFailedError.listing(errors)
+    err = SaveFailedError(f"background saves of {directory} failed on "
+                          f"{len({q for q, _ in failed})} of {count} processes: "
+                          + "; ".join(f"process {q}: {m}" for q, m in failed))
+    if errors:
+        mine = SaveFailedError.listing(errors)
+        err.failures, err.__cause__ = mine.failures or (mine,), mine
+    return err
 
 
 def _choose(catalog: Catalog, step: int | None, directory: Any) -> Choice:

@@ -43,9 +43,40 @@ class UnsupportedArgsError(CheckpointError, TypeError, ValueError):
 class StorageError(CheckpointError, OSError):
     """A storage backend failed to read, write, list or delete."""
 
+    # True when the failed operation certainly changed nothing on storage (e.g.
+    # a commit whose temporary write failed before the link).
+    nothing_written: bool = False
+
+
+class UnsafeDirectoryError(CheckpointError, PermissionError):
+    """A tier's directory is not safely ours (a link, not a directory, another
+    user's, or writable by others), so it is not used. The message names it,
+    its owner and mode, and what to do."""
+
 
 class SaveFailedError(CheckpointError, RuntimeError):
-    """A background save failed; the step was not committed to that tier."""
+    """A background save failed; the step was not committed to that tier.
+
+    `step` and `tier` name the write it is about. One raise reports several
+    failures at once as one SaveFailedError listing them, each in `failures`
+    (otherwise empty)."""
+
+    step: int | None = None
+    tier: str | None = None
+    failures: tuple[SaveFailedError, ...] = ()
+
+    @classmethod
+    def listing(cls, errors: list[SaveFailedError]) -> SaveFailedError:
+        """One error for `errors` (not empty): the only one as it is, or one
+        listing them all in order, each in `failures`, caused by what the
+        first was caused by."""
+        if len(errors) == 1:
+            return errors[0]
+        err = cls(f"{len(errors)} background saves failed: "
+                  + "; ".join(f"[{i + 1}] {e}" for i, e in enumerate(errors)))
+        err.failures = tuple(x for e in errors for x in (e.failures or (e,)))
+        err.__cause__ = errors[0].__cause__ or errors[0]
+        return err
 
 
 class RecoveryFailedError(CheckpointError, RuntimeError):
@@ -57,3 +88,9 @@ class AgreementError(CheckpointError, TimeoutError):
     """The processes of a job could not agree: a peer did not answer in time
     (it is gone, or it did not make the same collective call). The message
     names the process and the call."""
+
+
+class DirectoryInUseError(CheckpointError, RuntimeError):
+    """Another live manager holds the writer lock of a tier of this directory
+    (raised by the first save). The message names the directory, the tier and
+    the holder."""

@@ -6,6 +6,8 @@ one directory (or prefix) per step, named as Orbax names them (`<step>`, or
 one manifest per writing process, `manifest.<i>-of-<n>.json`, the commit record.
 Temporaries and in-progress markers carry the writer's host, pid and process
 start time, so a cleaner can tell a dead writer's leftovers from a live save.
+A step's claim, `claim.<i>-of-<n>.json` (claim.py), says which save may commit
+it; `.rc-writer.lock` in a file tier's root is the writer lock (writer_lock.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import socket
 import uuid
 
 MANIFEST_PREFIX = "manifest."  # every manifest's name starts so (for listing them)
+WRITER_LOCK = ".rc-writer.lock"  # in a file tier's root: flocked by the live writer
+_CLAIM_RE = re.compile(r"^claim\.(\d+)-of-(\d+)\.json$")
 _MANIFEST_RE = re.compile(r"^manifest\.(\d+)-of-(\d+)\.json$")
 _TMP_RE = re.compile(r"\.tmp\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)\.[0-9a-f]+$")
 _CHUNK_RE = re.compile(r"^[0-9a-f]{8}\.c\d+\.\d+\.(s|\d+(_\d+)*)$")
@@ -59,6 +63,14 @@ def parse_manifest_name(name: str) -> tuple[int, int] | None:
         return None
     i, n = int(m.group(1)), int(m.group(2))
     return (i, n) if i < n else None
+
+
+def claim_name(process_index: int, process_count: int) -> str:
+    return f"claim.{process_index}-of-{process_count}.json"
+
+
+def is_claim_name(name: str) -> bool:
+    return bool(_CLAIM_RE.match(name))
 
 
 def chunk_key(item_index: int, leaf_index: int, offsets: tuple[int, ...]) -> str:

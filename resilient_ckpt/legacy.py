@@ -22,7 +22,10 @@ def orbax_steps(storage: Storage, naming: layout.StepNaming) -> set[int]:
         step = naming.parse(name)
         if step is None:
             continue
-        names = storage.list(name)
+        try:
+            names = storage.list(name)
+        except OSError:  # an unlistable directory is no step; it must not stop an open
+            continue
         if ORBAX_COMMIT_FILE in names and not any(layout.parse_manifest_name(n) for n in names):
             out.add(step)
     return out

@@ -8,7 +8,9 @@ protocol: the save-decision policy (`should_save`), the step listing, the
 restore loop (the newest viable step, falling back to older ones when asked
 for "the latest" and the newest turns out corrupt; Orbax's own steps through
 Orbax), deletion and metadata. Background failures are raised once, by the
-next `save`, `wait_until_finished`, `check_for_errors` or `close`.
+next `save` (after it has started its own step: an old failure never costs a
+new save), `wait_until_finished`, `check_for_errors` or `close`; several at
+once as one SaveFailedError listing them all.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,7 @@ from .options import CheckpointManagerOptions, resolve
 from .restore import RestoreRecord, restore_choice
 from .saver import Saver, SaveRecord, Tier
 from .selection import Choice
+from .writer_lock import WriterLock
 
 __all__ = ["CheckpointManager", "CheckpointManagerOptions", "SaveRecord"]
 
@@ -62,6 +66,9 @@ class CheckpointManager:
         self._saver = Saver(plan, storages, self.catalog, o.io_threads,
                             o.host_memory_budget, o.over_budget)
         self._coord = Coordinator(self.catalog, self._saver, str(self._directory))
+        # Taken by the first save, dropped at close or when this is collected.
+        self._writer_lock = WriterLock(str(self._directory))
+        weakref.finalize(self, self._writer_lock.release)
         self.save_records: collections.deque = collections.deque(maxlen=256)
         self.restore_records: collections.deque = collections.deque(maxlen=64)
         self.catalog.reload()
@@ -150,10 +157,19 @@ class CheckpointManager:
              metrics: Any = None, force: bool | None = False, args: Any = None,
              custom_metadata: dict | None = None) -> bool:
         """Snapshots the state to host memory and writes it to every due tier in
-        the background. Returns whether a save was started."""
+        the background. Returns whether a save was started.
+
+        Failures of earlier saves never stop this one: they are raised after
+        this step's save has started (or was found not due), every one not
+        yet raised, once (`check_for_errors`). A SaveFailedError from `save`
+        is about the steps it names; this step is being written."""
         del save_kwargs
-        if not self.catalog.peers.many:
-            self._saver.raise_errors()
+        started = self._save(step, items, metrics, force, args, custom_metadata)
+        self._coord.raise_failures()
+        return started
+
+    def _save(self, step: int, items: Any, metrics: Any, force: bool | None, args: Any,
+              custom_metadata: dict | None) -> bool:
         if args is None and items is None:
             raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
         if args is None:
@@ -170,6 +186,8 @@ class CheckpointManager:
                 f"step {step} already exists in {self._directory}; delete it first "
                 "or save another step")
         due = self._due_tiers(step) if not force else list(self._saver.tiers)
+        self._writer_lock.hold([(t.name, t.storage) for t in self._saver.tiers],
+                               self.catalog.peers.index)
         save_id = self._coord.start_save(step)
         self.save_records.append(
             self._saver.start(step, due, item_list, metrics, custom_metadata, save_id))
@@ -180,7 +198,10 @@ class CheckpointManager:
     # ------------------------------------------------------------ errors & waiting
 
     def check_for_errors(self) -> None:
-        """Raises the first background save failure not yet raised, once."""
+        """Raises every background save failure not yet raised, once: one as
+        it is, several as one SaveFailedError listing them (each in
+        `.failures`, with its `.step` and `.tier`)."""
+        self._coord.raise_failures()
         self._saver.raise_errors()
 
     def wait_until_finished(self) -> None:
@@ -281,7 +302,10 @@ class CheckpointManager:
         finally:
             if self._cleanup is not None:
                 self._cleanup.join()  # it uses the storages closed below
-            self._saver.close()
+            try:
+                self._saver.close()
+            finally:
+                self._writer_lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

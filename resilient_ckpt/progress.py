@@ -32,8 +32,8 @@ class _Counting(StorageWrapper):
         self.inner.read_into(key, out, offset)
         self._tick(len(memoryview(out).cast("B")))
 
-    def read(self, key):
-        data = self.inner.read(key)
+    def read(self, key, max_bytes=None):
+        data = self.inner.read(key, max_bytes)
         self._tick(len(data))
         return data
 

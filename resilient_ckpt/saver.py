@@ -8,8 +8,15 @@ delays the RAM tier. A remote tier (GCS) waits for a faster tier to commit the
 step and uploads that tier's copy, the step pinned against the faster tier's
 retention meanwhile, so the snapshot is freed at local speed and the devices
 are read once. After each commit the tier's retention runs (the catalog says
-what may go). A failure becomes a `SaveFailedError` that `raise_errors` hands
-to the training thread once.
+what may go).
+
+Failures: a failed tier write is a `SaveFailedError` with its `.step` and
+`.tier`; `raise_errors` raises every one not yet raised, once (several as one
+listing them). A failed retention delete is only logged; the catalog keeps
+the step for the next run. The training thread never waits for GCS: a queued
+remote write of an older step is dropped as superseded (recorded, logged)
+when a newer step is due there (an upload) or needs its memory (a write from
+the snapshot, with no faster tier).
 
 Locking: one Condition guards the budget, the jobs in flight, the flights and
 the pins; it may be held while calling into the catalog (whose own lock is
@@ -20,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import errno
 import logging
 import threading
 import time
@@ -30,6 +38,7 @@ import jax
 
 from . import commit, metadata, snapshot
 from .catalog import Catalog
+from .claim import StepClaim
 from .commit import TierWrite
 from .errors import SaveFailedError, StepNotFoundError
 from .manifest import Manifest
@@ -75,6 +84,7 @@ class _Flight:
     rec: SaveRecord
     holders: set[str]
     header: dict
+    claim: StepClaim  # the step's claim (claim.py), shared by its tier jobs
     pins: dict[str, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
 
 
@@ -99,14 +109,17 @@ class InFlight:
     def pool(self) -> snapshot.HostPool:
         return self._pool
 
-    def reserve(self, need: int, rec: SaveRecord) -> None:
-        """Holds `need` bytes of the host-memory budget. Over budget, "wait"
-        blocks until older snapshots are written; "skip" first drops the queued
-        (not started) writes of older steps that this newer step supersedes."""
+    def reserve(self, need: int, rec: SaveRecord, remote: list[str]) -> None:
+        """Holds `need` bytes of the host-memory budget. Over budget, first drops
+        queued older writes to the `remote` tiers this step is due on (never
+        wait for GCS); then "wait" blocks until older snapshots are written,
+        "skip" first drops the queued writes this newer step supersedes."""
         budget = self._budget or 2 * need
         t0 = time.perf_counter()
         with self._lock:
             while self._held and self._held + need > budget:
+                if any([self._supersede(name, rec.step) for name in remote]):
+                    continue
                 if self._over_budget == "skip" and self._shed(rec.step):
                     continue
                 self._lock.wait()
@@ -128,7 +141,7 @@ class InFlight:
             self._flights[step] = flight
             for t in tiers:
                 if feeds.get(t.name):
-                    self._supersede_uploads(t, step)
+                    self._supersede(t.name, step)
                     flight.pins[t.name] = [(n, step) for n in feeds[t.name]]
                     self._pins.update(flight.pins[t.name])
                     jobs[t.name] = t.worker.submit(upload, t, flight,
@@ -136,20 +149,22 @@ class InFlight:
                 else:
                     jobs[t.name] = t.worker.submit(write, t, flight)
 
-    def _supersede_uploads(self, t: Tier, step: int) -> None:
-        """Drops uploads to `t` still queued behind a running one: only the
-        newest step needs to reach a remote tier, and each queued upload pins
-        its source step in the faster tier. Holds the lock."""
+    def _supersede(self, name: str, step: int) -> bool:
+        """Drops writes to remote tier `name` queued behind a running one (only
+        the newest step needs to get there); True if one was. Holds the lock."""
+        dropped = False
         for old in sorted(self._pending):
-            fut = self._pending[old].get(t.name)
+            fut = self._pending[old].get(name)
             if old != step and fut is not None and fut.cancel():
                 flight = self._flights[old]
-                flight.rec.tiers[t.name] = TierWrite.skip(
-                    t.name, old, f"superseded by step {step} (the {t.name} tier was "
-                    "still uploading)")
-                log.warning("step %d not uploaded to the %s tier: superseded by step %d, "
-                            "the tier is still busy with an earlier step", old, t.name, step)
-                self._job_done(t.name, flight)
+                flight.rec.tiers[name] = TierWrite.skip(
+                    name, old, f"superseded by step {step} (the {name} tier was "
+                    "still writing an earlier step)")
+                log.warning("step %d not written to the %s tier: superseded by step %d, "
+                            "the tier is still busy with an earlier step", old, name, step)
+                self._job_done(name, flight)
+                dropped = True
+        return dropped
 
     def _shed(self, newer: int) -> bool:
         """Cancels the oldest queued tier write; True if one was. Holds the lock."""
@@ -242,7 +257,7 @@ class Saver:
         self._copy = cf.ThreadPoolExecutor(2, thread_name_prefix="rc-copy")
         self._flying = InFlight(catalog, budget, over_budget)
         self._flying.unpinned = self._unpinned
-        self._errors: list[BaseException] = []
+        self._errors: list[SaveFailedError] = []
         self._errors_lock = threading.Lock()
 
     def tier(self, name: str) -> Tier:
@@ -261,7 +276,7 @@ class Saver:
         records, sources = snapshot.describe_items(items, save_id, jax.process_index(),
                                                    replicas)
         need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
-        self._flying.reserve(need, rec)
+        self._flying.reserve(need, rec, [t.name for t in tiers if t.storage.remote])
         try:
             t1 = time.perf_counter()
             snap = snapshot.take(step, save_id, records, sources, self._flying.pool,
@@ -275,7 +290,9 @@ class Saver:
                       process_count=jax.process_count(), metrics=metadata.jsonable(metrics),
                       custom_metadata=metadata.jsonable(custom_metadata))
         self._catalog.note_in_flight(step, header["created"], header["metrics"])
-        flight = _Flight(snap, need, rec, {t.name for t in tiers}, header)
+        flight = _Flight(snap, need, rec, {t.name for t in tiers}, header, StepClaim(
+            step, save_id, header["process_index"], header["process_count"],
+            self._plan.naming, [(t.name, t.storage) for t in tiers]))
         self._flying.launch(flight, tiers, feeds, self._write, self._upload)
         rec.blocking_s = time.perf_counter() - t0
         return rec
@@ -302,13 +319,16 @@ class Saver:
 
     def _job(self, t: Tier, flight: _Flight, body: Callable[[], bool]) -> None:
         """Runs one tier's job for `flight`; then, unless `body` says the write
-        was skipped, that tier's retention. A failure is handed to the
+        was skipped, that tier's retention. A failed write is handed to the
         training thread; the tier lets go of the snapshot either way."""
         try:
-            if body():
-                self._apply_retention(t)
-        except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            self._failed(t, flight.snap.step, e, flight.rec)
+            try:
+                written = body()
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._failed(t, flight.snap.step, e, flight.rec)
+                written = False
+            if written:
+                self._retention_job(t)
         finally:
             self._flying.done(t.name, flight)
 
@@ -320,7 +340,8 @@ class Saver:
             t.storage, t.name, self._plan.naming, flight.snap, flight.header, t.io,
             encoding=t.plan.encoding,
             on_commit=lambda m: self._catalog.committed(t.name, t.storage, m),
-            primary_only=not _keeps_replicas(t))
+            primary_only=not _keeps_replicas(t),
+            claim=lambda: flight.claim.take(t.name, t.storage))
         return True
 
     def _upload(self, t: Tier, flight: _Flight, feeds: list) -> None:
@@ -359,13 +380,17 @@ class Saver:
             [(n, self.tier(n).storage) for n in done], t.io, t.plan.encoding,
             on_commit=lambda m: self._catalog.committed(t.name, t.storage, m),
             only=None if _keeps_replicas(t) else frozenset(
-                c.key for c in snap.chunks if c.primary))
+                c.key for c in snap.chunks if c.primary),
+            claim=lambda: flight.claim.take(t.name, t.storage))
 
     def _failed(self, t: Tier, step: int, e: BaseException, rec: SaveRecord) -> None:
         rec.tiers[t.name] = TierWrite(t.name, step, False, 0.0, 0, str(e))
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        hint = (f"; the {t.name} tier is out of space: free some, or lower its keep"
+                if full else "")
         err = SaveFailedError(f"save of step {step} to the {t.name} tier "
-                              f"({t.storage.url}) failed: {e}")
-        err.__cause__ = e
+                              f"({t.storage.url}) failed: {e}{hint}")
+        err.__cause__, err.step, err.tier = e, step, t.name
         log.error("%s", err)
         with self._errors_lock:
             self._errors.append(err)
@@ -373,15 +398,19 @@ class Saver:
     # ------------------------------------------------------------ retention
 
     def _retention_job(self, t: Tier) -> None:
+        """Applies `t`'s retention; a failed delete is logged (never a failed
+        save) and ends this run, so a dead network costs one deadline."""
+        step = None
         try:
-            self._apply_retention(t)
-        except OSError as e:
-            log.warning("retention in the %s tier (%s) failed: %s", t.name, t.storage.url, e)
-
-    def _apply_retention(self, t: Tier) -> None:
-        pinned = self._flying.pinned(t.name)
-        for s in self._catalog.doomed(t.name, t.plan.keep, self._plan.retention, pinned):
-            self._catalog.delete(t.name, t.storage, s)
+            pinned = self._flying.pinned(t.name)
+            for step in self._catalog.doomed(t.name, t.plan.keep, self._plan.retention,
+                                             pinned):
+                self._catalog.delete(t.name, t.storage, step)
+        except Exception as e:  # noqa: BLE001 - logged: retention is retried next time
+            what = f"could not delete step {step}" if step is not None else "failed"
+            log.warning("retention in the %s tier (%s) %s: %s; the step is kept and "
+                        "deleting it is retried at the next retention run", t.name,
+                        t.storage.url, what, e)
 
     # ------------------------------------------------------------ waiting and errors
 
@@ -418,7 +447,7 @@ class Saver:
                 return
             cf.wait(futures)
 
-    def take_errors(self) -> list[BaseException]:
+    def take_errors(self) -> list[SaveFailedError]:
         """The background failures not yet raised (they will not be raised again)."""
         with self._errors_lock:
             errors, self._errors = self._errors, []
@@ -436,14 +465,11 @@ class Saver:
         return futures
 
     def raise_errors(self) -> None:
-        """Raises the first background failure not yet raised (logs the rest)."""
-        with self._errors_lock:
-            errors, self._errors = self._errors, []
+        """Raises every background failure not yet raised, once: one as it is,
+        several as one SaveFailedError listing them all."""
+        errors = self.take_errors()
         if errors:
-            if len(errors) > 1:
-                log.error("%d more background save failures: %s", len(errors) - 1,
-                          "; ".join(str(e) for e in errors[1:]))
-            raise errors[0]
+            raise SaveFailedError.listing(errors)
 
     def close(self) -> None:
         """Stops the workers (after `wait_all`) and closes the storages."""

@@ -74,7 +74,16 @@ def _candidate(step: int, save_id: str, views: Sequence[TierStep],
     return None
 
 
+def _leaves(m: Manifest) -> list:
+    """What every process's manifest of one save must agree on: the items and
+    each leaf's path, kind, shape and dtype (only the chunks differ)."""
+    return [(it.name, it.kind, [(lf.path, lf.kind, lf.shape, lf.dtype) for lf in it.leaves])
+            for it in m.items]
+
+
 def _combine(step, save_id, combo, sizes, rank, bad) -> Choice | None:
+    if len(combo) > 1 and any(_leaves(m) != _leaves(combo[0][0]) for m, _ in combo[1:]):
+        return None  # the processes' records disagree: chunks would be read as another leaf
     sources: dict[str, tuple[str, ...]] = {}
     merged: dict[tuple[int, int], list[ChunkRecord]] = {}
     for m, holders in combo:

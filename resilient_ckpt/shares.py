@@ -9,6 +9,13 @@ its tiers (`local_shares`); the reports are exchanged (`agree.Peers`), and
 step is viable when every writing process's share is intact somewhere, and a
 tier can serve it alone when every share is intact in it. `readable` is what
 this process itself can read of one save, for its own part of a restore.
+
+A lost host's share may survive only as replicas spread over its peers, no
+one of which holds it all. So the saves newer than every agreed step that
+`agree` did not count (`unsettled`, decided from the exchanged shares alone)
+are asked about in a second round: each process reports the boxes it can
+read of them (`box_report`), and `covered` counts a save whose boxes, over
+every process, tile each leaf.
 """
 from __future__ import annotations
 
@@ -18,7 +25,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .manifest import ItemRecord, Manifest
+from .manifest import ChunkRecord, ItemRecord, Manifest
+from .planner import chunks_cover
 from .selection import Choice, TierStep, has_copy
 
 
@@ -75,27 +83,105 @@ def local_shares(observations: Mapping[int, Sequence[TierStep]], bad: frozenset,
     return sorted(out)
 
 
-def agree(reports: Sequence[Sequence[Share]]) -> dict[int, AgreedStep]:
-    """Per step, its newest save whose every share is intact somewhere."""
-    saves: dict[tuple[int, str, int], dict[str, set[int]]] = collections.defaultdict(
+Save = tuple[int, str, int]  # (step, save_id, count of writing processes)
+_STORED = ("array", "prng_key", "numpy", "numpy_scalar")  # leaf kinds held as chunks
+
+
+def _tally(reports: Sequence[Sequence[Share]]) -> tuple[dict, dict]:
+    """Per save, the processes whose shares each tier holds; and its newest `created`."""
+    saves: dict[Save, dict[str, set[int]]] = collections.defaultdict(
         lambda: collections.defaultdict(set))
-    created: dict[tuple[int, str, int], float] = collections.defaultdict(float)
+    created: dict[Save, float] = collections.defaultdict(float)
     for shares in reports:
         for s in shares:
             key = (s.step, s.save_id, s.count)
             saves[key][s.tier].add(s.process)
             created[key] = max(created[key], s.created)
+    return saves, created
+
+
+def _newest(out: dict[int, AgreedStep], cand: AgreedStep) -> None:
+    old = out.get(cand.step)
+    if old is None or (cand.created, cand.save_id) > (old.created, old.save_id):
+        out[cand.step] = cand
+
+
+def _agreed(key: Save, tiers: dict[str, set[int]], created: float) -> AgreedStep:
+    everyone = set(range(key[2]))
+    return AgreedStep(key[0], key[1], created, key[2],
+                      frozenset(t for t, ps in tiers.items() if ps == everyone))
+
+
+def agree(reports: Sequence[Sequence[Share]]) -> dict[int, AgreedStep]:
+    """Per step, its newest save whose every share is intact somewhere."""
+    saves, created = _tally(reports)
     out: dict[int, AgreedStep] = {}
-    for (step, sid, count), tiers in sorted(saves.items()):
-        everyone = set(range(count))
+    for key, tiers in sorted(saves.items()):
         seen = set().union(*tiers.values())
-        if seen - {WHOLE} != everyone and WHOLE not in seen:
+        if seen - {WHOLE} == set(range(key[2])) or WHOLE in seen:
+            _newest(out, _agreed(key, tiers, created[key]))
+    return out
+
+
+def unsettled(reports: Sequence[Sequence[Share]], agreed: Mapping[int, AgreedStep],
+              pending: set[int]) -> list[Save]:
+    """The saves newer than every agreed step that `agree` did not count, of
+    steps no process is still writing: a lost writer's boxes may still be
+    held, spread over its peers. From exchanged data only, so every process
+    finds the same ones (and none while running normally: an unagreed newest
+    step is one still being written)."""
+    newest = max(agreed, default=None)
+    return sorted({(s.step, s.save_id, s.count) for shares in reports for s in shares
+                   if (newest is None or s.step > newest) and s.step not in pending})
+
+
+def box_report(observations: Mapping[int, Sequence[TierStep]], tier_order: Sequence[str],
+               bad: frozenset, saves: Sequence[Save]) -> list[list]:
+    """For the second round: per save of `saves` this process can read any of,
+    [step, save_id, count, leaves], each leaf [item, leaf index, shape, the
+    distinct boxes (offsets, sizes) it holds an intact copy of]."""
+    out = []
+    for step, sid, count in saves:
+        c = readable(observations.get(step, ()), tier_order, bad, step, sid)
+        if c is None or c.manifest.process_count != count:
             continue
-        cand = AgreedStep(step, sid, created[(step, sid, count)], count,
-                          frozenset(t for t, ps in tiers.items() if ps == everyone))
-        old = out.get(step)
-        if old is None or (cand.created, cand.save_id) > (old.created, old.save_id):
-            out[step] = cand
+        leaves = [[it.name, li, list(leaf.shape),
+                   sorted({(ch.offsets, ch.sizes) for ch in leaf.chunks})]
+                  for it in c.manifest.items for li, leaf in enumerate(it.leaves)
+                  if leaf.kind in _STORED]
+        out.append([step, sid, count, leaves])
+    return out
+
+
+def covered(reports: Sequence[Sequence[Share]], saves: Sequence[Save],
+            box_reports: Sequence[Sequence[Sequence[Any]]]) -> dict[int, AgreedStep]:
+    """Per step, the newest of `saves` whose boxes, over every process's
+    `box_report`, tile every leaf: each distinct box counted once, so
+    replicas held on several hosts do not make up for a missing one. Where
+    two processes' records of a save disagree on its leaves, it is not counted."""
+    wanted = set(saves)
+    shapes: dict[Save, dict[tuple[str, int], tuple[int, ...]]] = {}
+    boxes: dict[Save, dict[tuple[str, int], set]] = collections.defaultdict(
+        lambda: collections.defaultdict(set))
+    broken: set[Save] = set()
+    for report in box_reports:
+        for step, sid, count, leaves in report:
+            key = (int(step), str(sid), int(count))
+            if key not in wanted:
+                continue
+            mine = {(str(it), int(li)): tuple(shape) for it, li, shape, _ in leaves}
+            if shapes.setdefault(key, mine) != mine:
+                broken.add(key)
+            for it, li, _, held in leaves:
+                boxes[key][(str(it), int(li))].update(
+                    (tuple(o), tuple(n)) for o, n in held)
+    tally, created = _tally(reports)
+    out: dict[int, AgreedStep] = {}
+    for key, leaf_shapes in sorted(shapes.items()):
+        if key not in broken and all(
+                chunks_cover(shape, [ChunkRecord(o, n, "", 0, 0, 0) for o, n in boxes[key][k]])
+                for k, shape in leaf_shapes.items()):
+            _newest(out, _agreed(key, tally.get(key, {}), created.get(key, 0.0)))
     return out
 
 
@@ -146,7 +232,7 @@ def whole_copy(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozen
             # Distinct boxes (merged by key) whose sizes add up to the leaf: a
             # count, linear in the chunks, since this runs at every agreement;
             # a manifest that lies is caught by the restore's exact plan.
-            if leaf.kind in ("array", "prng_key", "numpy", "numpy_scalar") and \
+            if leaf.kind in _STORED and \
                     sum(math.prod(ch.sizes) for ch in leaf.chunks) != math.prod(leaf.shape):
                 return None
     return Share(step, save_id, WHOLE, c.manifest.process_count, ANY_TIER, c.created)

@@ -170,6 +170,8 @@ def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_inde
             elif k in ("numpy", "numpy_scalar"):
                 # ascontiguousarray makes 0-d arrays 1-d; keep the leaf's own shape.
                 arr = np.ascontiguousarray(leaf).reshape(np.shape(leaf))
+                if not arr.dtype.isnative:  # stored bytes are native order (format.md)
+                    arr = arr.astype(arr.dtype.newbyteorder("="))
                 leaves.append(LeafRecord(path, k, tuple(arr.shape), _dtype_name(arr.dtype)))
                 if process_index == 0 or replicas:
                     box = (tuple(0 for _ in arr.shape), tuple(arr.shape))

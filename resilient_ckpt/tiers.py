@@ -4,16 +4,20 @@ Tiers are small frozen records composed into the manager's options, listed
 fastest first. `RamTier` is a directory under /dev/shm, so a restarted process on
 the same host still restores from memory; `LocalTier` is a directory on disk (a
 plain Orbax-style directory is one LocalTier); `GcsTier` is a gs://bucket/prefix
-(a gs:// directory given to the manager is one GcsTier).
+(a gs:// directory given to the manager is one GcsTier). The RAM tier's
+directories are made 0700, and refused when another user could control them.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
+import stat
 import tempfile
 
 from .codec import Codec, check as check_codec
+from .errors import UnsafeDirectoryError
 from .storage import FileStorage, Storage
 from .storage.retry import RetryPolicy
 
@@ -40,6 +44,9 @@ class RamTier:
     rank = 0  # tier order: fastest first
 
     def open(self, directory: str, create: bool) -> FileStorage:
+        # /dev/shm is writable by every local user, so the directories we use
+        # there are made 0700 by us, or refused when someone else could have
+        # made or could change them (a link to elsewhere, another user's).
         path = self.path
         if path is None:
             remote = directory.startswith("gs://")
@@ -48,8 +55,48 @@ class RamTier:
                 tempfile.gettempdir() if remote else where, ".ram")
             digest = hashlib.sha256(where.encode()).hexdigest()[:16]
             path = os.path.join(base, "resilient_ckpt", digest)
+            if create:
+                os.makedirs(base, exist_ok=True)
+            _private_dir(os.path.dirname(path), create)
+        elif create:  # the user's own place: only the directory itself is ours to check
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _private_dir(path, create)
         # tmpfs has no durability to gain from fsync; a host crash loses it anyway.
         return FileStorage(path, "ram", fsync=False, create=create, zero_copy=True)
+
+
+def _private_dir(path: str, create: bool) -> None:
+    """Makes `path` a directory of ours with mode 0700 (when `create`), or
+    checks the one already there: a directory, not a link, ours, and not
+    writable by group or others; else UnsafeDirectoryError. Nothing is
+    chmodded: an existing directory is the user's to change."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+            return
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # not there, and not to be made: nothing is read or written in it
+    mode, me = stat.S_IMODE(st.st_mode), os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != me:
+        problem = f"belongs to another user (uid {st.st_uid}; we are uid {me})"
+    elif mode & 0o022:
+        problem = "is writable by group or others"
+    else:
+        return
+    raise UnsafeDirectoryError(
+        errno.EPERM, f"RAM tier directory {path} {problem} (owner uid {st.st_uid}, mode "
+                     f"{mode:04o}), so another local user could control what is saved "
+                     "there; it is not used. Remove it if it is yours, or pass "
+                     "RamTier(path=...) a directory of your own that only you can write "
+                     "(mode 0700)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,19 +1,31 @@
-"""Unit tests of the manifest: round trip, strict parsing, version handling."""
+"""Unit tests of the manifest: round trip, its checksum, version handling, and
+strict parsing: each defect is rejected with a message naming the field."""
 import json
 
+import google_crc32c
 import pytest
 
 from resilient_ckpt import CorruptCheckpointError, UnsupportedFormatError, manifest as mf
+from resilient_ckpt.strictjson import MAX_VALUE_DEPTH
+
+TRAILER = b',"manifest_crc32c":'
+NAMED = {"type": "named", "axis_names": ["x", "y"], "mesh_shape": [2, 1],
+         "device_ids": [0, 1], "spec": [["x", "y"]]}
 
 
 def sample() -> mf.Manifest:
     chunks = (mf.ChunkRecord((0, 0), (2, 3), "ab.c0.0.0_0", 24, 24, 123),
               mf.ChunkRecord((2, 0), (2, 3), "ab.c0.0.2_0", 24, 24, 456))
+    key = (mf.ChunkRecord((0,), (2,), "ab.c0.3.0", 8, 8, 9, "raw", 8, (9,)),)
     leaves = (
         mf.LeafRecord((("key", "params"), ("key", "w")), "array", (4, 3), "float32",
                       {"type": "single_device", "device_id": 0}, None, None, chunks),
         mf.LeafRecord((("key", "lr"),), "scalar", value=mf.encode_scalar(0.1)),
         mf.LeafRecord((("key", "opt"), ("index", 0)), "none"),
+        mf.LeafRecord((("attr", "rng"),), "prng_key", (2,), "uint32", NAMED,
+                      "threefry2x32", None, key),
+        mf.LeafRecord((("key", "s"),), "numpy_scalar", (), "bfloat16",
+                      chunks=(mf.ChunkRecord((), (), "ab.c0.4.s", 2, 2, 7),)),
     )
     return mf.Manifest(7, "ab" * 16, 1.5, 0, 1,
                        (mf.ItemRecord("default", "pytree", leaves),
@@ -21,35 +33,89 @@ def sample() -> mf.Manifest:
                        metrics={"loss": 0.5}, custom_metadata={"run": "x"})
 
 
-def test_round_trip_is_exact():
-    m = sample()
-    assert mf.parse(mf.to_json(m)) == m
-    assert m.nbytes == 48
-    assert [c.key for _, _, c in m.chunks()] == ["ab.c0.0.0_0", "ab.c0.0.2_0"]
+def sign(body: bytes) -> bytes:
+    """A version-2 manifest's bytes for `body` (everything before the trailer)."""
+    return body + TRAILER + b"%d}" % google_crc32c.value(body)
 
 
-@pytest.mark.parametrize("v", [0.1, float("nan"), float("inf"), -0.0, 1e308, 5e-324])
-def test_float_scalars_round_trip_bit_exact(v):
-    out = mf.decode_scalar(json.loads(json.dumps(mf.encode_scalar(v))))
-    assert repr(out) == repr(v)
+def encode(d: dict) -> bytes:
+    """`d` as a writer that computes the checksum right would write it."""
+    d = {k: v for k, v in d.items() if k != "manifest_crc32c"}
+    return sign(json.dumps(d, separators=(",", ":")).encode()[:-1])
 
 
 def _doc():
     return json.loads(mf.to_json(sample()))
 
 
+# --------------------------------------------------------------- round trip, checksum
+
+def test_round_trip_is_exact():
+    m = sample()
+    assert mf.parse(mf.to_json(m)) == m
+    assert m.nbytes == 58
+    assert [c.key for _, _, c in m.chunks()] == ["ab.c0.0.0_0", "ab.c0.0.2_0", "ab.c0.3.0",
+                                                "ab.c0.4.s"]
+
+
+def test_the_checksum_covers_every_byte_before_the_trailer():
+    data = mf.to_json(sample())
+    body, _, tail = data.rpartition(TRAILER)
+    assert int(tail[:-1]) == google_crc32c.value(body) and tail.endswith(b"}")
+    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 2
+    assert encode(json.loads(data)) == data  # the spec's recipe gives the writer's bytes
+
+
+@pytest.mark.parametrize("at", [0, 1, 30, 200, -40, -25, -12, -2, -1])
+def test_any_flipped_bit_is_caught(at):
+    data = bytearray(mf.to_json(sample()))
+    data[at] ^= 0x04
+    with pytest.raises(CorruptCheckpointError, match="where.json"):
+        mf.parse(bytes(data), "where.json")
+
+
+def test_a_changed_value_that_is_still_json_is_caught_by_the_checksum():
+    data = mf.to_json(sample())
+    bad = data.replace(b'"epoch":3', b'"epoch":7')
+    assert bad != data and json.loads(bad)["items"][1]["value"] == {"epoch": 7}
+    with pytest.raises(CorruptCheckpointError, match="m.json: manifest_crc32c does not match"):
+        mf.parse(bad, "m.json")
+
+
+def test_version_2_without_its_checksum_is_corrupt():
+    d = _doc()
+    del d["manifest_crc32c"]
+    with pytest.raises(CorruptCheckpointError, match="without a valid trailing manifest_crc32c"):
+        mf.parse(json.dumps(d).encode(), "m.json")
+    spaced = mf.to_json(sample())[:-1] + b" }"  # no longer ends as the spec says
+    with pytest.raises(CorruptCheckpointError, match="without a valid"):
+        mf.parse(spaced)
+
+
+def test_version_1_is_read_without_a_checksum_and_rewritten_as_version_2():
+    d = _doc()
+    del d["manifest_crc32c"]
+    d["version"] = 1
+    m = mf.parse(json.dumps(d, indent=2).encode())  # any JSON layout parses in version 1
+    assert m.version == 1 and m == sample()
+    again = mf.to_json(m)  # a copy to another tier is written in the current format
+    assert mf.parse(again).version == 2
+    with pytest.raises(CorruptCheckpointError, match="version 1 manifest cannot carry"):
+        mf.parse(encode(dict(d)))
+
+
 def test_future_version_says_upgrade():
     d = _doc()
     d["version"] = mf.FORMAT_VERSION + 1
-    with pytest.raises(UnsupportedFormatError, match="version 2.*upgrade"):
-        mf.parse(json.dumps(d).encode(), "tier/7/manifest.0-of-1.json")
+    with pytest.raises(UnsupportedFormatError, match=f"version {mf.FORMAT_VERSION + 1}.*upgrade"):
+        mf.parse(encode(d), "tier/7/manifest.0-of-1.json")
 
 
 def test_unknown_field_is_an_error_not_skipped():
     d = _doc()
     d["items"][0]["leaves"][0]["chunks"][0]["shiny"] = 1
     with pytest.raises(UnsupportedFormatError, match="shiny"):
-        mf.parse(json.dumps(d).encode())
+        mf.parse(encode(d))
 
 
 @pytest.mark.parametrize("cut", [1, 10, 100, -1])
@@ -59,29 +125,207 @@ def test_torn_manifest_is_corrupt(cut):
         mf.parse(data[:cut], "where.json")
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda d: d["items"][0]["leaves"][0]["chunks"][0].update(offsets=[3, 0]), "outside"),
-    (lambda d: d["items"][0]["leaves"][0]["chunks"][0].update(key="../x"), "relative"),
-    (lambda d: d["items"][0]["leaves"][0]["chunks"][1].update(key="ab.c0.0.0_0"), "share"),
-    (lambda d: d["items"][0]["leaves"][0]["chunks"][0].update(nbytes=-1), "nbytes"),
-    (lambda d: d["items"][0]["leaves"][0]["chunks"][0].update(codec="lz4"), "codec"),
-    (lambda d: d["process"].update(index=1), "process.index"),
-    (lambda d: d.pop("step"), "step"),
-    (lambda d: d["items"][0]["leaves"][1].update(value={"type": "float", "value": "zz"}),
-     "scalar"),
-])
-def test_invalid_fields_are_named(mutate, msg):
-    d = _doc()
-    mutate(d)
-    with pytest.raises(CorruptCheckpointError, match=msg):
-        mf.parse(json.dumps(d).encode())
-
-
 def test_not_a_manifest():
     with pytest.raises(CorruptCheckpointError, match="not a resilient_ckpt manifest"):
         mf.parse(b'{"hello": 1}')
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(CorruptCheckpointError, match="UTF-8"):
         mf.parse(b"\xff\xfe garbage")
+
+
+# --------------------------------------------------------------- limits
+
+def test_oversize_input_is_refused_before_it_is_parsed(monkeypatch):
+    data = mf.to_json(sample())
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(data) - 1)
+    with pytest.raises(CorruptCheckpointError, match=f"m.json: {len(data)} bytes is over"):
+        mf.parse(data, "m.json")
+    with pytest.raises(ValueError, match="over the .*-byte limit"):
+        mf.to_json(sample())  # the writer refuses what readers would
+
+
+def test_deep_nesting_is_corrupt_not_a_recursion_error():
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(CorruptCheckpointError, match="m.json: nested too deeply"):
+        mf.parse(deep, "m.json")
+    body = mf.to_json(sample()).rpartition(TRAILER)[0]
+    signed = sign(body.replace(b'"metrics":{"loss":0.5}', b'"metrics":' + deep))
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        mf.parse(signed, "m.json")
+
+
+@pytest.mark.parametrize("field", ["metrics", "custom_metadata"])
+def test_free_json_nests_at_most_max_value_depth(field):
+    def nested(n):
+        v: object = 1
+        for _ in range(n):
+            v = [v]
+        return v
+    d = _doc()
+    d[field] = nested(MAX_VALUE_DEPTH)
+    assert getattr(mf.parse(encode(d)), field) == nested(MAX_VALUE_DEPTH)
+    d[field] = {"a": nested(MAX_VALUE_DEPTH)}
+    with pytest.raises(CorruptCheckpointError, match=f"{field} nests deeper than 100"):
+        mf.parse(encode(d))
+    m = mf.Manifest(1, "ab" * 16, 1.0, 0, 1, (), **{field: d[field]})
+    with pytest.raises(ValueError, match="nests deeper"):
+        mf.to_json(m)
+
+
+def test_the_writer_refuses_a_dtype_readers_refuse():
+    leaf = mf.LeafRecord((("key", "t"),), "numpy", (2,), "datetime64[s]",
+                         chunks=(mf.ChunkRecord((0,), (2,), "k", 16, 16, 1),))
+    m = mf.Manifest(1, "ab" * 16, 1.0, 0, 1, (mf.ItemRecord("default", "pytree", (leaf,)),))
+    with pytest.raises(ValueError, match=r"\['t'\].*datetime64\[s\].*cannot save"):
+        mf.to_json(m)
+
+
+# --------------------------------------------------------------- field rules
+
+W = "items[0].leaves[0]"  # the float32 array leaf
+C0 = W + ".chunks[0]"
+KEY = "items[0].leaves[3]"  # the prng_key leaf, named sharding
+
+
+def _leaf(d, i=0):
+    return d["items"][0]["leaves"][i]
+
+
+def _chunk(d, i=0):
+    return _leaf(d)["chunks"][i]
+
+
+DEFECTS = {
+    # dtypes: an allow-list, names only (no byte order), no object/str/void/bytes
+    **{f"dtype {v}": (lambda d, v=v: _leaf(d).update(dtype=v), W + ".dtype")
+       for v in ["float33", "object", ">f4", "<f4", "U4", "V4", "str", "bytes", "float128",
+                 "datetime64[s]", 4, None]},
+    "prng_key not uint32": (lambda d: _leaf(d, 3).update(dtype="float32"), KEY),
+    "prng_key of rank 0": (lambda d: _leaf(d, 3).update(shape=[]), KEY),
+    # byte counts
+    "nbytes too small": (lambda d: _chunk(d).update(nbytes=23, stored_nbytes=23),
+                         C0 + ".nbytes is 23, but sizes"),
+    "chunk claims a huge box": (lambda d: (_leaf(d).update(shape=[10**12, 64]),
+                                           _chunk(d).update(sizes=[10**12, 64])),
+                                C0 + ".nbytes is 24"),
+    "raw stored != nbytes": (lambda d: _chunk(d).update(stored_nbytes=25),
+                             C0 + ".stored_nbytes 25 != nbytes"),
+    "zstd stored too large": (lambda d: _chunk(d).update(codec="zstd", stored_nbytes=10**9),
+                              C0 + ".stored_nbytes 1000000000 is more than"),
+    "negative nbytes": (lambda d: _chunk(d).update(nbytes=-1), C0 + ".nbytes must be"),
+    "block count": (lambda d: _chunk(d).update(block_bytes=8), C0 + ".block_crc32c has 0"),
+    "block_crc32c not a list": (lambda d: _chunk(d).update(block_crc32c=5),
+                                C0 + ".block_crc32c must be a list"),
+    "crc32c over 32 bits": (lambda d: _chunk(d).update(crc32c=2**32), C0 + ".crc32c"),
+    # shapes and boxes
+    "shape overflows int64": (lambda d: _leaf(d).update(shape=[2**64, 3]), W + ".shape[0]"),
+    "shape too many bytes": (lambda d: _leaf(d).update(shape=[2**40, 2**40]),
+                             W + ".shape [1099511627776, 1099511627776] of float32 is more"),
+    "rank over 64": (lambda d: _leaf(d).update(shape=[1] * 65), W + ".shape has 65 entries"),
+    "negative shape": (lambda d: _leaf(d).update(shape=[-4, 3]), W + ".shape[0]"),
+    "box outside shape": (lambda d: _chunk(d).update(offsets=[3, 0]), C0 + " (box at"),
+    "box of other rank": (lambda d: _chunk(d).update(offsets=[0]), C0 + " has offsets/sizes"),
+    "offsets not a list": (lambda d: _chunk(d).update(offsets="0,0"),
+                           C0 + ".offsets must be a list"),
+    "numpy_scalar with a shape": (lambda d: _leaf(d, 4).update(shape=[1]),
+                                  "items[0].leaves[4].shape must be"),
+    "scalar with a shape": (lambda d: _leaf(d, 1).update(shape=[2]),
+                            "items[0].leaves[1].shape must be"),
+    # keys and paths
+    "key escapes": (lambda d: _chunk(d).update(key="../x"), C0 + ".key '../x' is not a relative"),
+    "two chunks, one key": (lambda d: _chunk(d, 1).update(key="ab.c0.0.0_0"), "share"),
+    "duplicate leaf path": (lambda d: _leaf(d, 2).update(path=_leaf(d)["path"]),
+                            "items[0].leaves[2].path ['params']['w'] is also the "
+                            "path of items[0].leaves[0]"),
+    "attr named by a number": (lambda d: _leaf(d, 3).update(path=[["attr", 3]]),
+                               KEY + ".path[0] ['attr', 3] has a bad name"),
+    "negative index": (lambda d: _leaf(d, 2).update(path=[["index", -1]]),
+                       "items[0].leaves[2].path[0][1]"),
+    "duplicate item name": (lambda d: d["items"][1].update(name="default"), "repeat a name"),
+    # sharding records
+    "single_device without device_id": (lambda d: _leaf(d)["sharding"].pop("device_id"),
+                                        W + ".sharding lacks fields ['device_id']"),
+    "sharding without type": (lambda d: _leaf(d)["sharding"].pop("type"), W + ".sharding.type"),
+    "sharding of unknown type": (lambda d: _leaf(d)["sharding"].update(type="pmap"),
+                                 W + ".sharding.type"),
+    "sharding not an object": (lambda d: _leaf(d).update(sharding=[]), W + ".sharding is not"),
+    "device_id not an int": (lambda d: _leaf(d)["sharding"].update(device_id="0"),
+                             W + ".sharding.device_id"),
+    "named without spec": (lambda d: _leaf(d, 3)["sharding"].pop("spec"),
+                           KEY + ".sharding lacks fields ['spec']"),
+    "named, devices do not fill the mesh": (
+        lambda d: _leaf(d, 3)["sharding"].update(device_ids=[0]), KEY + ".sharding: mesh_shape"),
+    "named, device twice": (lambda d: _leaf(d, 3)["sharding"].update(device_ids=[1, 1]),
+                            KEY + ".sharding.device_ids names a device twice"),
+    "named, unknown axis in spec": (lambda d: _leaf(d, 3)["sharding"].update(spec=["z"]),
+                                    KEY + ".sharding.spec[0] must be one of"),
+    "named, spec longer than rank": (lambda d: _leaf(d, 3)["sharding"].update(spec=[None, None]),
+                                     KEY + ".sharding.spec has 2 entries"),
+    "named, axis used twice": (lambda d: _leaf(d, 3)["sharding"].update(spec=[["x", "x"]]),
+                               KEY + ".sharding.spec uses a mesh axis twice"),
+    "named, axes and mesh disagree": (lambda d: _leaf(d, 3)["sharding"].update(mesh_shape=[2]),
+                                      KEY + ".sharding: axis_names"),
+    "other, repr too long": (lambda d: _leaf(d).update(sharding={
+        "type": "other", "device_ids": [0], "repr": "x" * 201}), W + ".sharding.repr"),
+    "other, ids unsorted": (lambda d: _leaf(d).update(sharding={
+        "type": "other", "device_ids": [1, 0], "repr": ""}), W + ".sharding.device_ids are not"),
+    "sharding on a scalar": (lambda d: _leaf(d, 1).update(sharding={"type": "single_device",
+                                                                    "device_id": 0}),
+                             "items[0].leaves[1].sharding must be null"),
+    # other fields of leaves and items
+    "key_impl missing on prng_key": (lambda d: _leaf(d, 3).update(key_impl=None),
+                                     KEY + ".key_impl must be a string"),
+    "key_impl on an array": (lambda d: _leaf(d).update(key_impl="rbg"), W + ".key_impl"),
+    "value on an array": (lambda d: _leaf(d).update(value={"type": "int", "value": 1}),
+                          W + ".value must be null"),
+    "bad scalar": (lambda d: _leaf(d, 1).update(value={"type": "float", "value": "zz"}),
+                   "items[0].leaves[1].value is not a valid scalar"),
+    "float scalar overflows": (lambda d: _leaf(d, 1).update(value={"type": "float",
+                                                                   "value": "0x1p99999"}),
+                               "items[0].leaves[1].value is not a valid scalar"),
+    "chunks on a none leaf": (lambda d: _leaf(d, 2).update(chunks=[_chunk(d)]),
+                              "a none leaf cannot have chunks"),
+    "json item with leaves": (lambda d: d["items"][1].update(leaves=[_leaf(d, 2)]),
+                              "items[1].leaves must be empty"),
+    "pytree item with a value": (lambda d: d["items"][0].update(value=1),
+                                 "items[0].value must be null"),
+    "leaves not a list": (lambda d: d["items"][0].update(leaves={}),
+                          "items[0].leaves must be a list"),
+    # top level
+    "process.index": (lambda d: d["process"].update(index=1), "process.index 1 >= "),
+    "no step": (lambda d: d.pop("step"), "lacks fields ['step']"),
+    "step a bool": (lambda d: d.update(step=True), "step must be an integer"),
+    "created huge": (lambda d: d.update(created=10**400), "created must be a finite number"),
+    "created a string": (lambda d: d.update(created="now"), "created must be a finite number"),
+    "save_id not a string": (lambda d: d.update(save_id=7), "save_id must be a string"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFECTS))
+def test_each_defect_is_rejected_naming_the_field(name):
+    mutate, msg = DEFECTS[name]
+    d = _doc()
+    mutate(d)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        mf.parse(encode(d), "tier/7/manifest.0-of-1.json")
+    assert str(ei.value).startswith("tier/7/manifest.0-of-1.json: ")
+    assert msg in str(ei.value)
+
+
+def test_every_listed_dtype_parses_and_sizes_its_chunks():
+    for name, itemsize in mf.DTYPES.items():
+        d = _doc()
+        _leaf(d).update(dtype=name)
+        for c in _leaf(d)["chunks"]:
+            c.update(nbytes=6 * itemsize, stored_nbytes=6 * itemsize)
+        assert mf.parse(encode(d)).items[0].leaves[0].dtype == name
+
+
+def test_the_dtype_table_matches_numpy():
+    import jax.numpy as jnp
+    for name, itemsize in mf.DTYPES.items():
+        dt = jnp.dtype(name)
+        assert (dt.name, dt.itemsize) == (name, itemsize)
+        assert dt.byteorder in "=|" and dt.kind in "biufcV"
 
 
 def test_path_str_reads_like_keystr():

@@ -494,13 +494,15 @@ def test_errors(tmp_path, case):
 def test_delete_reload_and_context_manager(tmp_path):
     def fn(impl, d):
         out = {}
-        with impl.manager(d, options=impl.options(max_to_keep=5)) as a:
+        with impl.manager(d, options=impl.options(max_to_keep=5)) as w:
             for s in range(3):
-                a.save(s, args=ocp.args.StandardSave({"x": np.arange(2) + s}))
-            a.wait_until_finished()
+                w.save(s, args=ocp.args.StandardSave({"x": np.arange(2) + s}))
+            w.wait_until_finished()
+        with impl.manager(d, options=impl.options(max_to_keep=5)) as a:
             a.delete(2)
             out["after_delete"] = (list(a.all_steps()), a.latest_step(), a.should_save(2))
-            # another instance on the same directory writes a step
+            # another instance on the same directory writes a step (a has not
+            # saved, so ours lets it: see test_documented_differences)
             with impl.manager(d, options=impl.options(max_to_keep=5)) as b:
                 out["b_sees"] = list(b.all_steps())
                 out["b_saved"] = b.save(7, args=ocp.args.StandardSave({"x": np.arange(2) + 7}))
@@ -588,6 +590,12 @@ def test_documented_differences(tmp_path):
     with rc.CheckpointManager(d, options=ocp.CheckpointManagerOptions(read_only=True)) as m:
         assert m.save(1, args=ocp.args.StandardSave({"x": np.arange(2)}), force=True) is False
         assert list(m.all_steps()) == [0]
+    # A second live manager writing one directory is refused at its first save.
+    with rc.CheckpointManager(tmp_path / "two") as first:
+        first.save(0, args=ocp.args.StandardSave({"x": np.arange(2)}))
+        with rc.CheckpointManager(tmp_path / "two") as second:
+            with pytest.raises(rc.DirectoryInUseError, match="another live manager"):
+                second.save(1, args=ocp.args.StandardSave({"x": np.arange(2)}))
     # create=False with a missing directory fails fast.
     with pytest.raises(FileNotFoundError):
         rc.CheckpointManager(tmp_path / "missing",

@@ -142,7 +142,8 @@ def test_each_chunk_comes_from_the_fastest_intact_copy(dirs):
     m = saved_leaf(root, ram, state)
     m.close()
     d_ram, d_local = os.path.join(ram, "1"), os.path.join(root, "1")
-    chunks = sorted(n for n in os.listdir(d_ram) if not n.startswith(("manifest", ".")))
+    chunks = sorted(n for n in os.listdir(d_ram)
+                    if not n.startswith(("manifest", "claim", ".")))
     dropped = chunks[::2]
     for n in dropped:
         os.unlink(os.path.join(d_ram, n))
@@ -199,7 +200,8 @@ def test_ram_tier_stitches_whole_rows_without_copy_and_still_verifies(dirs):
         again = m2.restore(1, args=ocp.args.StandardRestore(target))
         assert np.array_equal(np.asarray(again["w"]), host)
     d = os.path.join(ram, "1")
-    victim = sorted(n for n in os.listdir(d) if not n.startswith(("manifest", ".")))[2]
+    victim = sorted(n for n in os.listdir(d)
+                    if not n.startswith(("manifest", "claim", ".")))[2]
     with open(os.path.join(d, victim), "r+b") as f:
         f.seek(5000)
         f.write(b"\x13\x37")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from resilient_ckpt.shares import WHOLE, Share, agree
+from resilient_ckpt.shares import WHOLE, Share, agree, box_report, covered, unsettled
 
 TIERS = ["ram", "local", "gcs"]
 
@@ -94,3 +94,138 @@ def test_readable_uses_every_copy_of_a_process_manifest():
     assert c.sources == {chunk(0).key: ("local",), chunk(2).key: ("ram",)}
     assert {ch.key for ch in c.manifest.items[0].leaves[0].chunks} == {chunk(0).key,
                                                                       chunk(2).key}
+
+
+# ---------------------------------------------------------------- the union of what processes read
+
+def _grid(rows: int, cols: int, gr: int, gc: int) -> list[list]:
+    """The boxes ([offsets, sizes]) of a (rows, cols) leaf cut in gr x gc blocks."""
+    br, bc = rows // gr, cols // gc
+    return [[[i * br, j * bc], [br, bc]] for i in range(gr) for j in range(gc)]
+
+
+def _box_report(step, sid, count, boxes, shape=(4, 6)):
+    return [[step, sid, count, [["default", 0, list(shape), boxes]]]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.data())
+def test_a_save_is_covered_exactly_when_every_box_is_held_somewhere(gr, gc, nprocs, data):
+    """Each box on any subset of processes (replicas on several, or none):
+    the save counts exactly when every box is held by some process, however
+    they are spread, and a box held many times never stands in for another."""
+    boxes = _grid(4 * gr, 3 * gc, gr, gc)
+    holders = [data.draw(st.sets(st.integers(0, nprocs - 1), max_size=nprocs)) for _ in boxes]
+    reports = [_box_report(7, "s", 2, [b for b, h in zip(boxes, holders, strict=True) if q in h],
+                           (4 * gr, 3 * gc)) for q in range(nprocs)]
+    shares_ = [[Share(7, "s", 0, 2, "ram", 3.0)]]  # process 1's share is lost
+    got = covered(shares_, [(7, "s", 2)], reports)
+    assert (7 in got) == all(holders), (holders, got)
+    if all(holders):
+        assert got[7].save_id == "s" and got[7].created == 3.0 and got[7].count == 2
+        assert got[7].complete_in == frozenset()  # no tier holds every share
+    # Regrouped or reordered, the same answer: every process computes it alike.
+    assert covered(shares_, [(7, "s", 2)], reports[::-1]) == got
+
+
+def test_spread_coverage_counts_where_no_share_and_no_process_does():
+    """Four boxes of one leaf, process 1's share lost; its boxes are held by
+    processes 2 and 3, one each: no share rule and no whole copy counts the
+    save, the union of what the processes read does."""
+    b = _grid(4, 6, 2, 2)
+    shares_ = [[Share(5, "s", 0, 4, "ram", 1.0)], [], [Share(5, "s", 2, 4, "ram", 1.0)],
+               [Share(5, "s", 3, 4, "ram", 1.0)]]
+    assert 5 not in agree(shares_)
+    reports = [_box_report(5, "s", 4, [b[0]]), [], _box_report(5, "s", 4, [b[0], b[1]]),
+               _box_report(5, "s", 4, [b[2], b[3]])]
+    assert set(covered(shares_, [(5, "s", 4)], reports)) == {5}
+    missing = [_box_report(5, "s", 4, [b[0]]), [], _box_report(5, "s", 4, [b[0], b[1]]),
+               _box_report(5, "s", 4, [b[2], b[2]])]  # box 3 nowhere, box 2 twice
+    assert covered(shares_, [(5, "s", 4)], missing) == {}
+
+
+def test_replicas_are_counted_once_not_by_their_elements():
+    """Two copies of one box have the elements of two boxes; they still leave
+    the other box uncovered."""
+    b = _grid(4, 6, 2, 1)
+    reports = [_box_report(5, "s", 2, [b[0]]), _box_report(5, "s", 2, [b[0]])]
+    assert covered([], [(5, "s", 2)], reports) == {}
+
+
+def test_records_that_disagree_on_a_leaf_are_not_counted():
+    b = _grid(4, 6, 2, 1)
+    reports = [_box_report(5, "s", 2, [b[0]]), _box_report(5, "s", 2, [b[1]], shape=(4, 7))]
+    assert covered([], [(5, "s", 2)], reports) == {}
+    assert set(covered([], [(5, "s", 2)], [_box_report(5, "s", 2, [b[0]]),
+                                           _box_report(5, "s", 2, [b[1]])])) == {5}
+
+
+def test_only_unsettled_saves_are_counted_and_the_newest_save_of_a_step_wins():
+    b = _grid(4, 6, 1, 1)
+    reports = [_box_report(5, "old", 1, b) + _box_report(5, "new", 1, b)
+               + _box_report(6, "x", 1, b)]
+    shares_ = [[Share(5, "old", 0, 1, "ram", 1.0), Share(5, "new", 0, 1, "ram", 2.0)]]
+    got = covered(shares_, [(5, "old", 1), (5, "new", 1)], reports)
+    assert set(got) == {5} and got[5].save_id == "new"
+
+
+def test_the_second_round_is_asked_only_for_saves_that_may_need_it():
+    """Saves newer than every agreed step, that agree did not count, of steps
+    no process is still writing: none while a job runs normally."""
+    def s(step, q, count=2, sid="s"):
+        return Share(step, sid, q, count, "ram", float(step))
+    reports = [[s(4, 0), s(5, 0), s(6, 0), s(3, 0)], [s(4, 1)]]
+    agreed = agree(reports)
+    assert set(agreed) == {4}
+    assert unsettled(reports, agreed, set()) == [(5, "s", 2), (6, "s", 2)]
+    assert unsettled(reports, agreed, {6}) == [(5, "s", 2)]  # 6: a writer is still at it
+    running = [[s(4, 0), s(5, 0)], [s(4, 1)]]  # step 5: process 1 still writing
+    assert unsettled(running, agree(running), {5}) == []
+    whole = [[s(4, 0), s(5, 0)], [s(4, 1), s(5, 1)]]
+    assert unsettled(whole, agree(whole), set()) == []
+
+
+def _tier_step(tier, process, count, rows, sizes_of=None):
+    from resilient_ckpt import manifest as mf
+    from resilient_ckpt.selection import TierStep
+
+    def chunk(row):
+        return mf.ChunkRecord((row, 0), (1, 3), f"00000000.c0.{row}.0", 12, 12, row)
+    leaf = mf.LeafRecord((("key", "w"),), "array", (4, 3), "float32", None, None, None,
+                         tuple(chunk(r) for r in rows))
+    m = mf.Manifest(5, "s" * 32, 1.0, process, count,
+                    (mf.ItemRecord("default", "pytree", (leaf,)),))
+    sizes = {chunk(r).key: 12 for r in (rows if sizes_of is None else sizes_of)}
+    return TierStep(tier, (m,), sizes)
+
+
+def test_box_report_lists_the_boxes_with_an_intact_copy_here():
+    """Per save asked about: each leaf's distinct boxes this process can read
+    (a missing or bad copy left out); a save it holds nothing of is not listed."""
+    obs = {5: [_tier_step("ram", 0, 3, [0, 1, 2], sizes_of=[0, 2])]}
+    sid = "s" * 32
+    rep = box_report(obs, ["ram"], frozenset(), [(5, sid, 3), (6, "t", 3)])
+    assert rep == [[5, sid, 3, [["default", 0, [4, 3], [((0, 0), (1, 3)), ((2, 0), (1, 3))]]]]]
+    bad = frozenset({("ram", "00000000.c0.2.0")})
+    assert box_report(obs, ["ram"], bad, [(5, sid, 3)])[0][3][0][3] == [((0, 0), (1, 3))]
+
+
+def test_job_view_counts_a_save_whose_boxes_the_processes_hold_together():
+    """Through JSON, as the exchange carries it: the shares leave step 5
+    unagreed, the second round's boxes make it agreed, on every process."""
+    import json
+
+    from resilient_ckpt.catalog import JobView
+    sid = "s" * 32
+    obs = [{5: [_tier_step("ram", q, 3, rows)]} for q, rows in ((0, [0, 1]), (2, [2, 3]))]
+    shares_ = [Share(5, sid, q, 3, "ram", 1.0).to_json() for q in (0, 2)]
+    views = [dict(shares=[v], pending=[], errors=[], orbax=[]) for v in shares_]
+    job = JobView(json.loads(json.dumps(views)))
+    assert job.steps == {} and job.unsettled == [(5, sid, 3)]
+    boxes = [{"boxes": box_report(o, ["ram"], frozenset(), job.unsettled)} for o in obs]
+    job.cover(json.loads(json.dumps(boxes)))
+    assert set(job.steps) == {5} and job.steps[5].complete_in == frozenset()
+    again = JobView(views)
+    again.cover([{"boxes": box_report(obs[0], ["ram"], frozenset(), again.unsettled)},
+                 {"boxes": []}])  # rows 2 and 3 nowhere
+    assert again.steps == {}

@@ -1,12 +1,13 @@
-"""The demos, as a sub-package: `python -m resilient_ckpt.demo [--elastic]`.
+"""The demos, as a sub-package: `python -m resilient_ckpt.demo [--elastic | --hosts 2]`.
 
-This package owns the two demos, which use the public API as a user would:
+This package owns the three demos, which use the public API as a user would:
 
 - `cli`: the entry point (`main`), choosing the demo and asking for 8 host devices;
 - `crash`: the crash-and-resume demo (train, SIGKILL, resume, restore from GCS alone);
 - `elastic_demo`: the in-process recovery demo (`--elastic`: lose 4 devices, grow back);
-- `model`: the MLP both train, and their (data=4, model=2) CPU mesh;
-- `options`: the arguments both take, and the host-device flag.
+- `hosts_demo`: the relaunch demo (`--hosts 2`: two processes, one lost, relaunched);
+- `model`: the MLP they train, and the (data=4, model=2) CPU mesh;
+- `options`: the arguments they share, and the host-device flag.
 
 Importing it changes nothing in the environment; `main` does, before any device is used.
 """

@@ -21,7 +21,11 @@ Every method blocks, and is safe to call from many threads at once: callers
 bring the concurrency. "Atomic" for `put` means a reader sees the old object
 whole or the new one whole, never a mix or a prefix, and a failed put leaves
 the old object (or none) in place. Failures leave as the project's
-StorageError (an OSError) naming the object's full path.
+StorageError (an OSError) naming the object's full path. `read(key,
+max_bytes=)` refuses an object larger than the caller expects before
+allocating for it (a manifest is small; whatever sits at its name may not be),
+and a failed `put_if_absent` sets `nothing_written` when the final name was
+certainly not created.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ import abc
 import errno
 
 import numpy as np
+
+from ..errors import StorageError
 
 
 class Storage(abc.ABC):
@@ -71,12 +77,13 @@ class Storage(abc.ABC):
             data = f.read()
         self.put(key, memoryview(data))
 
-    def read(self, key: str) -> bytes:
-        """The whole object; StorageError if it does not exist."""
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole object; StorageError if it does not exist, and (errno EFBIG,
+        before anything is allocated) if it is larger than `max_bytes`."""
         n = self.size(key)
         if n is None:
-            from ..errors import StorageError
             raise StorageError(errno.ENOENT, f"{self.url}/{key}: no such object")
+        check_size(f"{self.url}/{key}", n, max_bytes)
         buf = bytearray(n)
         self.read_into(key, memoryview(buf))
         return bytes(buf)
@@ -132,3 +139,11 @@ class Storage(abc.ABC):
     def close(self) -> None:
         """Releases connections and threads (the manager calls it at close);
         calling it again does nothing."""
+
+
+def check_size(where: str, size: int, max_bytes: int | None) -> None:
+    """Raises StorageError(EFBIG) naming `where` when `size` is over `max_bytes`."""
+    if max_bytes is not None and size > max_bytes:
+        raise StorageError(errno.EFBIG, f"{where} is {size} bytes, more than the "
+                                        f"{max_bytes} this read allows, so it was not "
+                                        "read; check what wrote it there")

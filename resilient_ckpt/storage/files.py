@@ -7,28 +7,170 @@ itself uses `put_if_absent`: the temporary is hard-linked to the final name,
 which fails if the name exists, so two writers can never both commit a step.
 With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
 copy-on-write mappings of objects instead of copies.
+
+Nothing below the root is ever followed. Every key is walked from the root
+one directory descriptor at a time with O_NOFOLLOW (`*at` calls on that
+descriptor do the rest), objects are opened only as regular files, with
+O_NONBLOCK so that a FIFO cannot block the open, and deletes unlink entries,
+never what a link points to. So a symbolic link, FIFO, directory or device
+found where an object or a step should be (planted by another user of a
+shared /dev/shm, or left by a stray `ln -s`) can neither make the tier read,
+write or delete outside its root nor hang it: `list` and `size` see it as
+absent, and every other access raises StorageError naming it. The root itself
+may be a link the user chose: it is resolved once, when the storage opens.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
-import shutil
+import stat
 
 import numpy as np
 
 from ..errors import StorageError
 from ..layout import Writer
-from .base import Storage
+from .base import Storage, check_size
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# Failures of a walk that `list` and `size` take for "nothing there": missing,
+# something other than a directory on the way, or a link on the way (a link
+# opened as a directory with O_NOFOLLOW fails with ENOTDIR, as a file ELOOP).
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
-class FileStorage(Storage):
+class _Walker:
+    """Keys under a root resolved once, walked without following links; the
+    errors that name what is in the way."""
+
+    root: str   # as the user gave it: for messages and identity
+    kind: str
+    _real: str  # the root with the user's links resolved
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def _err(self, what: str, key: str, e: OSError) -> StorageError:
+        hint = self._in_the_way(key) if e.errno in (errno.ELOOP, errno.ENOTDIR) else ""
+        return StorageError(e.errno, f"{self.kind} tier: {what} {self._path(key)} "
+                                     f"failed: {e.strerror or e}{hint}")
+
+    def _in_the_way(self, key: str) -> str:
+        """What blocked a walk to `key`, for the message (looked up only then)."""
+        parts = key.split("/")
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            try:
+                mode = os.lstat(os.path.join(self._real, sub)).st_mode
+            except OSError:
+                return ""
+            if stat.S_ISLNK(mode):
+                return (f"; {self._path(sub)} is a symbolic link, and the file tiers never "
+                        "follow links below their root: remove it")
+            if i < len(parts) and not stat.S_ISDIR(mode):
+                return f"; {self._path(sub)} is not a directory: remove it"
+        return ""
+
+    @contextlib.contextmanager
+    def _failing(self, what: str, key: str):
+        """Turns an OSError of the block into StorageError naming `key`."""
+        try:
+            yield
+        except StorageError:
+            raise
+        except OSError as e:
+            raise self._err(what, key, e) from e
+
+    def _parts(self, key: str) -> list[str]:
+        parts = key.split("/") if key else []
+        if any(p in ("", ".", "..") for p in parts):
+            raise StorageError(errno.EINVAL, f"{self.kind} tier: key {key!r} under "
+                                             f"{self.root} is not a plain relative name")
+        return parts
+
+    def _split(self, key: str) -> tuple[list[str], str]:
+        """(directories, name) of an object's key."""
+        parts = self._parts(key)
+        if not parts:
+            raise StorageError(errno.EINVAL, f"{self.kind} tier: an empty key names no "
+                                             f"object under {self.root}")
+        return parts[:-1], parts[-1]
+
+    def _root_fd(self, create: bool) -> int:
+        try:
+            return os.open(self._real, _DIR)
+        except FileNotFoundError:
+            if not create:
+                raise
+        os.makedirs(self._real, exist_ok=True)  # removed meanwhile: make it again
+        return os.open(self._real, _DIR)
+
+    def _open_dir(self, parts: list[str], create: bool = False) -> int:
+        """A descriptor of directory root/parts, walked without following any
+        link or passing through a non-directory (ENOTDIR); missing directories
+        are made on the way when `create`."""
+        if len(parts) <= 1:
+            # The root or a step directory: the one component below the resolved
+            # root is the last, which O_NOFOLLOW checks, so one open will do.
+            try:
+                return os.open(os.path.join(self._real, *parts), _DIR)
+            except FileNotFoundError:
+                if not create:
+                    raise
+        fd = self._root_fd(create)
+        try:
+            for p in parts:
+                sub = _subdir(fd, p, create)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def _dir(self, parts: list[str], create: bool = False):
+        fd = self._open_dir(parts, create)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open_object(self, key: str) -> tuple[int, int]:
+        """(descriptor, size) of the object opened read-only; only a regular
+        file: a link is ELOOP, anything else a StorageError naming it."""
+        dirs, name = self._split(key)
+        try:
+            d = self._open_dir(dirs)
+            try:
+                fd = os.open(name, _READ, dir_fd=d)
+            finally:
+                os.close(d)
+        except OSError as e:
+            raise self._err("open of", key, e) from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageError(errno.EINVAL, f"{self.kind} tier: {self._path(key)} is "
+                                                 f"not a regular file ({_what(st.st_mode)});"
+                                                 " the file tiers read only regular files "
+                                                 "there: remove it")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
+
+class FileStorage(_Walker, Storage):
     """Objects as files under `root`; `kind` names it in records ("ram",
     "local"); `zero_copy` maps objects (tmpfs only); `fsync` off on tmpfs."""
 
     def __init__(self, root: str, kind: str = "local", *, fsync: bool = True,
                  create: bool = True, zero_copy: bool = False):
-        self.root = os.path.abspath(root)
+        self.root = os.path.abspath(root)  # as given: for messages and identity
         self.kind = kind
         self.zero_copy = zero_copy  # only on tmpfs: see map()
         self.url = self.root
@@ -36,19 +178,18 @@ class FileStorage(Storage):
         self._writer = Writer.me()
         if create:
             os.makedirs(self.root, exist_ok=True)
+        self._real = os.path.realpath(self.root)  # the user's links, resolved once
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.root, key)
+    def _sync_fd(self, fd: int) -> None:
+        if self._fsync:
+            os.fsync(fd)
 
-    def _err(self, what: str, key: str, e: OSError) -> StorageError:
-        return StorageError(e.errno, f"{self.kind} tier: {what} {self._path(key)} "
-                                     f"failed: {e.strerror or e}")
+    # ------------------------------------------------------------ writes
 
-    def _write_tmp(self, key: str, data) -> str:
-        path = self._path(key)
-        d, name = os.path.split(path)
-        tmp = os.path.join(d, self._writer.tmp_name(name))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _write_tmp(self, d: int, name: str, data) -> str:
+        """A temporary beside `name` in directory `d`, written (and fsynced)."""
+        tmp = self._writer.tmp_name(name)
+        fd = os.open(tmp, _CREATE, 0o644, dir_fd=d)
         try:
             view = memoryview(data).cast("B")
             while view:
@@ -57,63 +198,83 @@ class FileStorage(Storage):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink(tmp)
+            _unlink_quietly(d, tmp)
             raise
         os.close(fd)
         return tmp
 
     def put(self, key: str, data) -> None:
-        try:
-            os.makedirs(os.path.dirname(self._path(key)), exist_ok=True)
-            tmp = self._write_tmp(key, data)
-            os.replace(tmp, self._path(key))
-        except OSError as e:
-            raise self._err("write of", key, e) from e
+        dirs, name = self._split(key)
+        with self._failing("write of", key), self._dir(dirs, create=True) as d:
+            tmp = self._write_tmp(d, name, data)
+            try:
+                os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            except BaseException:
+                _unlink_quietly(d, tmp)
+                raise
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        path = self._path(key)
+        dirs, name = self._split(key)
+        linked = False
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = self._write_tmp(key, data)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            finally:
-                _unlink(tmp)
-            self._sync_dir(os.path.dirname(path))
+            with self._dir(dirs, create=True) as d:
+                tmp = self._write_tmp(d, name, data)
+                try:
+                    os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                    linked = True
+                except FileExistsError:
+                    return False
+                finally:
+                    _unlink_quietly(d, tmp)
+                self._sync_fd(d)
             return True
         except OSError as e:
-            raise self._err("commit of", key, e) from e
+            err = self._err("commit of", key, e)
+            err.nothing_written = not linked  # the final name was never created
+            raise err from e
+
+    # ------------------------------------------------------------ reads
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
+        fd, _ = self._open_object(key)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except OSError as e:
-            raise self._err("open of", key, e) from e
-        try:
-            view = memoryview(out).cast("B")
-            pos = offset
-            while view:
-                n = os.preadv(fd, [view], pos)
-                if n == 0:
-                    raise StorageError(errno.EIO, f"{self._path(key)}: short read "
-                                       f"at byte {pos}; the object is truncated")
-                view, pos = view[n:], pos + n
-        except OSError as e:
-            raise self._err("read of", key, e) from e
+            with self._failing("read of", key):
+                self._pread(fd, key, memoryview(out).cast("B"), offset)
         finally:
             os.close(fd)
+
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        fd, n = self._open_object(key)
+        try:
+            check_size(self._path(key), n, max_bytes)
+            try:
+                buf = bytearray(n)
+            except MemoryError:
+                raise StorageError(errno.ENOMEM, f"{self.kind} tier: {self._path(key)} is "
+                                                 f"{n} bytes, more than this process can "
+                                                 "hold; it was not read") from None
+            with self._failing("read of", key):
+                self._pread(fd, key, memoryview(buf), 0)
+        finally:
+            os.close(fd)
+        return bytes(buf)
+
+    def _pread(self, fd: int, key: str, view: memoryview, pos: int) -> None:
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n == 0:
+                raise StorageError(errno.EIO, f"{self._path(key)}: short read at byte "
+                                              f"{pos}; the object is truncated")
+            view, pos = view[n:], pos + n
 
     def _with_fd(self, key: str, need: int, fn):
         """fn(fd) on the object opened read-only, or None if it is shorter than
         `need` bytes (a truncated object is a missing copy, not an error)."""
+        fd, n = self._open_object(key)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            return fn(fd) if n >= need else None
         except OSError as e:
-            raise self._err("open of", key, e) from e
-        try:
-            return fn(fd) if os.fstat(fd).st_size >= need else None
+            raise self._err("mapping of", key, e) from e
         finally:
             os.close(fd)
 
@@ -137,53 +298,71 @@ class FileStorage(Storage):
             fd, file_offset, dest_offset, length)))
 
     def size(self, key: str) -> int | None:
+        dirs, name = self._split(key)
         try:
-            return os.stat(self._path(key)).st_size
-        except FileNotFoundError:
-            return None
+            d = self._open_dir(dirs)
+            try:
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+            finally:
+                os.close(d)
         except OSError as e:
+            if e.errno in _ABSENT:
+                return None
             raise self._err("stat of", key, e) from e
+        return st.st_size if stat.S_ISREG(st.st_mode) else None  # a link, FIFO, ...: absent
 
     def list(self, prefix: str = "", starts_with: str = "") -> list[str]:
+        parts = self._parts(prefix)
         try:
-            names = os.listdir(self._path(prefix) if prefix else self.root)
-            return [n for n in names if n.startswith(starts_with)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+            with self._dir(parts) as d:
+                names = os.listdir(d)
         except OSError as e:
+            if e.errno in _ABSENT:
+                return []  # nothing there, an object, or a link: no directory of ours
             raise self._err("listing of", prefix, e) from e
+        return [n for n in names if n.startswith(starts_with)]
+
+    # ------------------------------------------------------------ deletes and hooks
 
     def delete(self, key: str) -> None:
+        dirs, name = self._split(key)
         try:
-            _unlink(self._path(key))
+            with self._dir(dirs) as d:
+                os.unlink(name, dir_fd=d)  # a link is removed itself, never followed
+        except FileNotFoundError:
+            return
         except OSError as e:
             raise self._err("delete of", key, e) from e
 
     def delete_dir(self, prefix: str) -> None:
-        path = self._path(prefix)
+        dirs, name = self._split(prefix)
         try:
-            shutil.rmtree(path)
+            with self._dir(dirs) as d:
+                _remove_tree(d, name)
+                self._sync_fd(d)
         except FileNotFoundError:
             return
         except OSError as e:
             raise self._err("delete of", prefix, e) from e
-        self._sync_dir(os.path.dirname(path))
 
     def remove_empty_dir(self, prefix: str) -> bool:
+        dirs, name = self._split(prefix)
         try:
-            os.rmdir(self._path(prefix))
+            with self._dir(dirs) as d:
+                os.rmdir(name, dir_fd=d)
             return True
         except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
-                return False  # gone already, or a save started writing in it
+            if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                return False  # gone already, a save started writing in it, or not a directory
             raise self._err("removal of", prefix, e) from e
 
     def begin_write(self, prefix: str) -> None:
-        marker = os.path.join(self._path(prefix), self._writer.marker_name())
+        parts, marker = self._parts(prefix), self._writer.marker_name()
         for _attempt in range(3):  # a cleaner may remove the empty directory between
             try:
-                os.makedirs(self._path(prefix), exist_ok=True)
-                open(marker, "wb").close()
+                with self._dir(parts, create=True) as d:
+                    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+                                     | os.O_CLOEXEC, 0o644, dir_fd=d))
                 return
             except FileNotFoundError:
                 continue
@@ -192,26 +371,77 @@ class FileStorage(Storage):
         raise StorageError(errno.EIO, f"{self._path(prefix)}: could not start a save")
 
     def flush(self, prefix: str) -> None:
-        self._sync_dir(self._path(prefix))
-
-    def end_write(self, prefix: str) -> None:
-        _unlink(os.path.join(self._path(prefix), self._writer.marker_name()))
-
-    def _sync_dir(self, path: str) -> None:
         if not self._fsync:
             return
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            with self._dir(self._parts(prefix)) as d:
+                os.fsync(d)
         except FileNotFoundError:
             return
+        except OSError as e:
+            raise self._err("flush of", prefix, e) from e
+
+    def end_write(self, prefix: str) -> None:
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            with self._dir(self._parts(prefix)) as d:
+                os.unlink(self._writer.marker_name(), dir_fd=d)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._err("end of the save in", prefix, e) from e
 
 
-def _unlink(path: str) -> None:
+def _subdir(fd: int, name: str, create: bool) -> int:
+    """A descriptor of directory `name` in directory `fd`, never through a link."""
     try:
-        os.unlink(path)
+        return os.open(name, _DIR, dir_fd=fd)
     except FileNotFoundError:
-        pass
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o777, dir_fd=fd)
+    except FileExistsError:
+        pass  # another thread made it meanwhile
+    return os.open(name, _DIR, dir_fd=fd)
+
+
+def _remove_tree(parent: int, name: str) -> None:
+    """Removes entry `name` of directory `parent` and, when it is a directory
+    (not a link to one), all in it; links are unlinked, never followed."""
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    fd = os.open(name, _DIR, dir_fd=parent)
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for n, is_dir in entries:
+            if is_dir:
+                _remove_tree(fd, n)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(n, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(name, dir_fd=parent)
+
+
+def _unlink_quietly(d: int, name: str) -> None:
+    # Only our own temporaries: one left behind by a failure here carries our
+    # identity, so cleanup removes it once this process is gone.
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=d)
+
+
+def _what(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return f"mode {mode:o}"

@@ -30,7 +30,7 @@ import urllib.parse
 from collections.abc import Callable
 
 from ..errors import CheckpointError, StorageError
-from .base import Storage
+from .base import Storage, check_size
 from .gcs_upload import GcsUploads, _Status
 from .retry import RetryPolicy, Transient, call, http_status
 
@@ -166,7 +166,7 @@ class GcsStorage(Storage):
                 raise StorageError(errno.EIO, f"{self._where(key)}: shorter than byte "
                                               f"{offset + len(view)}; the object is truncated")
             if resp.status_code not in (200, 206):
-                raise _Status(resp.status_code, resp.text)
+                raise _Status(resp.status_code, resp.text, resp.headers)
             if resp.status_code == 200 and offset and not whole:
                 raise _Status(500, "the server ignored the Range header")
             got = 0
@@ -200,16 +200,26 @@ class GcsStorage(Storage):
         for f in futures:
             f.result()
 
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
         def attempt() -> bytes:
             resp = self._session.get(self._media_url(key), headers={"Accept-Encoding": "identity"},
-                                     timeout=self._timeout())
-            if resp.status_code != 200:
-                raise _Status(resp.status_code, resp.text)
-            n = resp.headers.get("Content-Length")
-            if n is not None and n.isdigit() and int(n) != len(resp.content):
-                raise Transient(f"body cut short at {len(resp.content)} of {n} bytes")
-            return resp.content
+                                     timeout=self._timeout(), stream=True)
+            try:
+                if resp.status_code != 200:
+                    raise _Status(resp.status_code, resp.text, resp.headers)
+                n = resp.headers.get("Content-Length")
+                if n is not None and n.isdigit():
+                    check_size(self._where(key), int(n), max_bytes)
+                parts, got = [], 0
+                for part in resp.iter_content(1 << 20):  # stops past max_bytes, unsized too
+                    got += len(part)
+                    check_size(self._where(key), got, max_bytes)
+                    parts.append(part)
+                if n is not None and n.isdigit() and int(n) != got:
+                    raise Transient(f"body cut short at {got} of {n} bytes")
+                return b"".join(parts)
+            finally:
+                resp.close()
         return self._call(attempt, "read of", key)
 
     def size(self, key: str) -> int | None:

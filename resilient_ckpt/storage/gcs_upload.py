@@ -33,11 +33,12 @@ PART = ".part"  # temporary objects of a composed upload: <key>.part00012
 
 
 class _Status(Exception):
-    """A non-2xx answer to one of our own requests; `code` drives retry.is_transient."""
+    """A non-2xx answer to one of our own requests; `code` drives
+    retry.is_transient, `headers` (its Retry-After) retry.retry_after."""
 
-    def __init__(self, code: int, text: str):
+    def __init__(self, code: int, text: str, headers=None):
         super().__init__(f"HTTP {code}: {text[:200]}")
-        self.code = code
+        self.code, self.headers = code, headers
 
 
 class _Reader(io.RawIOBase):
@@ -146,7 +147,7 @@ class GcsUploads:
             resp = st._session.post(url, data=data, timeout=st._timeout(),
                                     headers={"Content-Type": "application/octet-stream"})
             if resp.status_code != 200:
-                raise _Status(resp.status_code, resp.text)
+                raise _Status(resp.status_code, resp.text, resp.headers)
             got = resp.json()
             if int(got.get("size", -1)) != len(data) or got.get("crc32c", want) != want:
                 raise Transient(f"stored {got.get('size')} bytes with crc32c "

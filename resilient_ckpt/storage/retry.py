@@ -1,14 +1,20 @@
 """Retrying remote requests: which failures are transient, and how long to try.
 
 A request is retried on HTTP 408, 429 and 5xx, on connection resets and
-refusals, on timeouts, and on bodies cut short, with exponential backoff and
-full jitter (so that hundreds of hosts throttled at once do not come back in
-step), until the request's deadline. Everything else (404, 403, 412, a bad
-request) is final at once. The policy is a frozen record passed in explicitly.
+refusals, on timeouts, and on bodies cut short, until the request's deadline;
+everything else (404, 403, 412, a bad request) is final at once. The waits
+follow GCS's documented truncated exponential backoff: the bound starts at
+`initial_s` (1 s), grows by `multiplier` (2) up to `max_delay_s` (32 s), and
+each wait is drawn uniformly between the bound and `1 + jitter` times it, so
+hosts throttled together do not come back together. A `Retry-After` header
+on the answer (seconds, or an HTTP date) is honoured: the next attempt waits
+at least that long; when it would fall past the deadline the request gives up
+at once, saying so. The policy is a frozen record passed in explicitly.
 """
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import errno
 import http.client
 import logging
@@ -31,20 +37,30 @@ class RetryPolicy:
     """`deadline_s`: total time one request may take over all its attempts;
     `attempt_timeout_s`: how long one attempt may wait for the server to
     connect or to send the next bytes (not the whole transfer, so a large
-    object that keeps moving is never cut); backoff doubles from `initial_s`
-    up to `max_delay_s`, each wait drawn uniformly below that bound."""
+    object that keeps moving is never cut). Between attempts the bound starts
+    at `initial_s` and grows by `multiplier` up to `max_delay_s`; each wait
+    is drawn uniformly from [bound, bound * (1 + jitter)], and is at least
+    what a `Retry-After` header asked for. Tests may use small values."""
 
     deadline_s: float = 300.0
     attempt_timeout_s: float = 60.0
-    initial_s: float = 0.1
-    max_delay_s: float = 10.0
+    initial_s: float = 1.0
+    max_delay_s: float = 32.0
     multiplier: float = 2.0
+    jitter: float = 0.5
 
     def __post_init__(self):
         if min(self.deadline_s, self.attempt_timeout_s, self.initial_s, self.max_delay_s) <= 0:
             raise ValueError(f"RetryPolicy times must be positive: {self}")
         if self.multiplier < 1:
             raise ValueError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
+        if self.jitter < 0:
+            raise ValueError(f"RetryPolicy.jitter must be >= 0, got {self.jitter}")
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The wait after failed attempt number `attempt` (1 for the first)."""
+        bound = min(self.initial_s * self.multiplier ** min(attempt - 1, 64), self.max_delay_s)
+        return bound * (1 + (rng or random).uniform(0, self.jitter))
 
 
 class Transient(Exception):
@@ -59,6 +75,25 @@ def http_status(e: BaseException) -> int | None:
     resp = getattr(e, "response", None)  # requests and resumable-media errors
     status = getattr(resp, "status_code", None)
     return status if isinstance(status, int) else None
+
+
+def retry_after(e: BaseException, now: float | None = None) -> float | None:
+    """Seconds the server asked us to wait (a `Retry-After` header on the
+    answer `e` carries: delta-seconds or an HTTP date), or None."""
+    headers = getattr(e, "headers", None)  # our own requests' errors (gcs_upload._Status)
+    if headers is None:
+        headers = getattr(getattr(e, "response", None), "headers", None)  # the client's
+    value = headers.get("Retry-After") if headers is not None else None
+    if not isinstance(value, str) or not value.strip():
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None  # malformed: back off as usual
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def is_transient(e: BaseException) -> bool:
@@ -99,11 +134,12 @@ def call(fn: Callable[[], T], policy: RetryPolicy, what: str,
     """`fn()` until it succeeds, a failure is final, or the deadline passes.
 
     Final failures go through `on_final` (which turns them into our errors);
-    a deadline passed raises StorageError(ETIMEDOUT) naming `what`, the number
-    of attempts and the last failure, caused by it.
+    a deadline passed (or a `Retry-After` past it) raises
+    StorageError(ETIMEDOUT) naming `what`, the number of attempts and the last
+    failure, caused by it.
     """
     start = time.monotonic()
-    bound, attempt = policy.initial_s, 0
+    attempt = 0
     while True:
         attempt += 1
         try:
@@ -112,17 +148,20 @@ def call(fn: Callable[[], T], policy: RetryPolicy, what: str,
             if not is_transient(e):
                 raise (on_final(e) if on_final else e) from e
             elapsed = time.monotonic() - start
-            delay = random.uniform(0, bound)
+            asked = retry_after(e)
+            delay = max(policy.backoff(attempt), asked or 0.0)
             if elapsed + delay >= policy.deadline_s:
+                why = (f"the server asked to retry after {asked:.0f} s (Retry-After), past "
+                       "the deadline" if asked is not None and asked >= delay
+                       else "the deadline was reached")
                 raise StorageError(
                     errno.ETIMEDOUT,
-                    f"{what}: still failing after {attempt} attempts over {elapsed:.1f} s "
-                    f"(last: {_short(e)}); check the network, the bucket's quotas, or "
-                    "raise RetryPolicy.deadline_s") from e
+                    f"{what}: gave up after {attempt} attempts over {elapsed:.1f} s: {why} "
+                    f"({policy.deadline_s:g} s; last: {_short(e)}); check the network, the "
+                    "bucket's quotas, or raise RetryPolicy.deadline_s") from e
             log.debug("%s: attempt %d failed (%s); retrying in %.2f s", what, attempt,
                       _short(e), delay)
             time.sleep(delay)
-            bound = min(bound * policy.multiplier, policy.max_delay_s)
 
 
 def _short(e: BaseException) -> str:

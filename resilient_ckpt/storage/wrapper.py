@@ -104,8 +104,8 @@ class StorageWrapper(Storage):
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
         self.inner.read_into(key, out, offset)
 
-    def read(self, key: str) -> bytes:
-        return self.inner.read(key)
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self.inner.read(key, max_bytes)
 
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
         return self.inner.map(key, nbytes)

@@ -5,7 +5,8 @@
 instead injects one of these faults, drawn at random (seeded):
 
 - "429", "503": answers with that status and a GCS-style JSON error, without
-  forwarding;
+  forwarding (with a `Retry-After: <retry_after>` header when one is set:
+  seconds or an HTTP date, as servers send it);
 - "reset": resets the connection (TCP RST) before forwarding anything;
 - "reset_after": forwards the request, so it takes effect upstream, then
   resets the connection instead of answering: the client cannot tell whether
@@ -17,9 +18,14 @@ instead injects one of these faults, drawn at random (seeded):
 
 `queue(*faults)` injects the given faults, in order, into the next matching
 requests, whatever the fraction: deterministic tests of one fault each.
+`pause()` holds every request as it arrives (an outage that answers
+nothing) until `resume()`, when each goes on as it would have.
 Upstream URLs in `Location` headers and JSON bodies are rewritten to the
 proxy's, so resumable upload sessions come back through it too. `faulted`
-counts the faults injected, `log` keeps (method, path, fault) per request.
+counts the faults injected, `log` keeps (method, path, fault) per request and
+`times` the wall-clock time (time.time()) each arrived, in the same order.
+`match(method, path)` chooses the requests faults may hit (DELETEs only,
+uploads only, ...).
 
     with FakeGcs() as gcs, FaultProxy(gcs.endpoint, fraction=0.2) as proxy:
         tier = GcsTier("gs://bkt/run", endpoint=proxy.endpoint)
@@ -45,8 +51,10 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "prox
 class FaultProxy:
     def __init__(self, upstream: str, fraction: float = 0.0, faults=FAULTS, seed: int = 0,
                  stall_s: float = 5.0,
-                 match: Callable[[str, str], bool] | None = None):
+                 match: Callable[[str, str], bool] | None = None,
+                 retry_after: str | None = None):
         self.upstream = upstream.rstrip("/")
+        self.retry_after = retry_after
         self.fraction, self.faults = fraction, tuple(faults)
         self.stall_s, self.match = stall_s, match
         for f in self.faults:
@@ -54,9 +62,12 @@ class FaultProxy:
                 raise ValueError(f"unknown fault {f!r}; choose from {FAULTS + ('stall',)}")
         self._rng = random.Random(seed)
         self._queued: collections.deque = collections.deque()
+        self._open = threading.Event()
+        self._open.set()
         self._lock = threading.Lock()
         self.faulted: collections.Counter = collections.Counter()
         self.log: list[tuple[str, str, str | None]] = []
+        self.times: list[float] = []
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -65,15 +76,25 @@ class FaultProxy:
         assert self._server is not None, "start() the proxy first"
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def set(self, fraction: float | None = None, faults=None, match=...) -> None:
+    def set(self, fraction: float | None = None, faults=None, match=...,
+            retry_after=...) -> None:
         """Changes what is injected from the next request on."""
         with self._lock:
+            if retry_after is not ...:
+                self.retry_after = retry_after
             if fraction is not None:
                 self.fraction = fraction
             if faults is not None:
                 self.faults = tuple(faults)
             if match is not ...:
                 self.match = match
+
+    def pause(self) -> None:
+        """Holds every request from now on until `resume()`."""
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
 
     def queue(self, *faults: str) -> None:
         """Injects these faults into the next matching requests, in order."""
@@ -91,6 +112,7 @@ class FaultProxy:
             if fault is not None:
                 self.faulted[fault] += 1
             self.log.append((method, path, fault))
+            self.times.append(time.time())
             return fault
 
     def start(self) -> FaultProxy:
@@ -128,6 +150,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._open.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -143,10 +166,14 @@ class FaultProxy:
 
     def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
         body = _read_body(h)
+        self._open.wait()
         fault = self._draw(h.command, h.path)
         if fault in ("429", "503"):
             msg = json.dumps({"error": {"code": int(fault), "message": f"injected {fault}"}})
-            return _answer(h, int(fault), {"Content-Type": "application/json"}, msg.encode())
+            answer = {"Content-Type": "application/json"}
+            if self.retry_after is not None:
+                answer["Retry-After"] = self.retry_after
+            return _answer(h, int(fault), answer, msg.encode())
         if fault == "reset":
             return _reset(h)
         if fault == "stall":

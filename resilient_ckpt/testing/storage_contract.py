@@ -96,6 +96,20 @@ class _ObjectContract:
         with pytest.raises(StorageError):
             storage.read_into("1/a", memoryview(bytearray(2)), offset=2)
 
+    def test_read_refuses_an_object_over_max_bytes(self, storage):
+        data = payload(5000, 5)
+        storage.put("1/a", data.data)
+        assert storage.read("1/a", max_bytes=5000) == data.tobytes()
+        assert storage.read("1/a", max_bytes=1 << 40) == data.tobytes()
+        with pytest.raises(StorageError) as ei:
+            storage.read("1/a", max_bytes=4999)
+        assert ei.value.errno == errno.EFBIG
+        assert all(s in str(ei.value) for s in ("1/a", "5000", "4999")), str(ei.value)
+        with pytest.raises(StorageError) as ei:
+            storage.read("1/none", max_bytes=10)
+        assert ei.value.errno == errno.ENOENT
+        assert storage.read("1/a") == data.tobytes()
+
     def test_a_missing_object_raises_storage_error_naming_it(self, storage):
         for read in (lambda: storage.read_into("9/nothing", memoryview(bytearray(4))),
                      lambda: storage.read("9/nothing")):
