@@ -380,9 +380,10 @@ def summarize(kill: dict, rows: dict, files: list[dict], nbytes: int) -> dict:
     return s
 
 
-def _outcome(k: dict) -> str:
+def _outcome(kind: str, k: dict) -> str:
     bad = ", ".join(f"{k[c]} {c}" for c in ("torn", "wrong", "lost", "dirty"))
-    return (f"{bad}; {k['kills_landed']} kills landed ({_points(k['points'])}); "
+    landed = "" if kind in ("time", "save_call") else f" ({_points(k['points'])})"
+    return (f"{bad}; {k['kills_landed']} kills landed{landed}; "
             f"{k['left_leftovers']} left temporaries or markers; "
             f"{k['restores_checked']} restores checked bit-exact")
 
@@ -392,10 +393,13 @@ def _points(points: dict) -> str:
 
 
 def _gcs_cell(r: dict) -> str:
-    return (f"{r['committed']} committed ({r['within_3x']} within 3x, max {r['ratio_max']}x), "
+    most = f", max {r['ratio_max']}x" if r["ratio_max"] is not None else ""
+    hung = r["hung"] + bool(r["restore_hung"])
+    return (f"{r['committed']} committed ({r['within_3x']} within 3x{most}), "
             f"{r['failed_cleanly']} failed cleanly, {r['failed_other']} failed otherwise, "
-            f"{r['hung']} hung; restores {r['restores_exact']}/{r['restores']} exact; "
-            f"save() blocked {r['blocking_median_s']} s")
+            f"{hung} hung; of the steps a fresh manager lists, {r['restores_exact']} of "
+            f"{r['restores']} restore exact; save() blocked {r['blocking_median_s']} s "
+            "(median)")
 
 
 def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
@@ -414,7 +418,7 @@ def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
               "| trial | how many | resilient_ckpt | Orbax |", "| --- | --- | --- | --- |"]
     for kind, k in kinds.items():
         lines.append(f"| kill: {KILL_KINDS.get(kind, kind)} | {k['trials']} | "
-                     f"{_outcome(k)} | not run (our child saver only) |")
+                     f"{_outcome(kind, k)} | not run (our child saver only) |")
     if not kinds:
         lines.append(f"| kill campaign | - | did not report (rc {kill.get('rc')}) | |")
     for rate in RATES:
@@ -436,7 +440,8 @@ def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
               "another copy; *wrong*: a restore differed from what was saved; *lost*: the "
               "newest step reported committed (or a newer one) was not selected; *dirty*: "
               "cleanup left a dead writer's files, or touched a committed step. A GCS save "
-              "*fails cleanly* when it raises once, naming its step; *within 3x*: the time "
+              "*fails cleanly* when it raises once, naming its step; a listed step that does "
+              "not restore exact is a torn step shown to the user; *within 3x*: the time "
               "from save() to committed is at most 3 times that system's median no-fault "
               f"time; *hung*: no answer in {hang_s:.0f} s (the worker is then killed).", ""]
     errs = {c: rows[(c, r)]["errors"] for c in CONFIGS for r in RATES if rows[(c, r)]["errors"]}
@@ -444,6 +449,8 @@ def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
         lines += ["Examples of the errors raised:", ""]
         lines += [f"- {c}: `{e[0]}`" for c, e in errs.items()]
         lines.append("")
+    lines += ["Goals met or not: the `goals_met` of the summary line the script prints "
+              "last.", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 

@@ -12,8 +12,12 @@ and is refused (`StepAlreadyExistsError`) before its manifest.
 
 A claim goes with its step (retention and delete remove the whole directory);
 one without a manifest is a leftover that `commit.cleanup` removes once its
-writer is dead (by age on GCS), and that a new save of the step takes over
-when its writer is on this host and dead. Only the writer lock
+writer is dead (by age on GCS). A new save of the step takes over a claim
+whose writer is on this host and dead, with that writer's manifest of the
+same process index if it committed one: the manager starts a save only of a
+step that is not restorable, so that copy is a piece of a save that serves
+no restore (a lost host's peers keep their shares of a step it never
+finished), and must not block the step being saved again. Only the writer lock
 (writer_lock.py) holder of a file tier saves there, so two such takeovers
 never race.
 """
@@ -65,11 +69,16 @@ def take(storage: Storage, tier: str, d: str, step: int, index: int, count: int,
         held = read(storage, key)
         if held is not None and held[0] == save_id:
             return
-        if held is not None and held[1].alive() is False and not storage.list(
-                d, starts_with=layout.MANIFEST_PREFIX):
-            # A dead writer's claim of a step it never committed.
+        if held is not None and held[1].alive() is False:
+            # A dead writer's claim: of a step it never committed, or of one whose
+            # copy here is part of no restorable step (a save is refused for a
+            # viable step, so a new save of it means the dead save's copy serves
+            # no restore; e.g. a lost host's peers kept their shares of a step
+            # it never finished). Its manifest goes first, as in a delete.
             log.info("taking over step %d in the %s tier (%s/%s) from a dead writer's "
-                     "claim", step, tier, storage.url, d)
+                     "claim (save %s)", step, tier, storage.url, d, held[0])
+            storage.delete(f"{d}/{layout.manifest_name(index, count)}")
+            storage.flush(d)
             storage.delete(key)
             continue
         if held is None and storage.size(key) is None:

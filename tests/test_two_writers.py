@@ -254,3 +254,33 @@ def test_restore_latest_beside_a_writer_that_deletes(dirs, tmp_path):
         kid.kill()
     assert kid.returncode == 0, rest
     assert len(set(seen)) >= 2, seen  # the writer moved on (and deleted) meanwhile
+
+
+def test_a_dead_writers_unrestorable_step_is_saved_again(dirs, tmp_path):
+    """A dead writer's committed copy of a step that is not restorable (here:
+    one chunk cut short in both tiers) does not block a new save of
+    that step: the new save takes over its claim and manifest in every tier,
+    and the step then restores the new state."""
+    ram, local = dirs
+    stop = str(tmp_path / "stop")
+    kid = subprocess.Popen([sys.executable, os.path.join(HERE, "_writer.py"), "loop", ram, local,
+                            stop], stdout=subprocess.PIPE, text=True)
+    try:
+        while not kid.stdout.readline().startswith("saved 2"):
+            pass
+        open(stop, "w").close()
+        kid.communicate(timeout=300)
+    finally:
+        kid.kill()
+    step = max(int(n) for n in os.listdir(local) if n.isdigit())  # it keeps one
+    for root in (ram, local):  # the dead save of `step` serves no restore now
+        d = os.path.join(root, str(step))
+        victim = os.path.join(d, sorted(n for n in os.listdir(d) if layout.is_chunk_name(n))[0])
+        os.truncate(victim, os.path.getsize(victim) - 1)
+    with _writer.open_manager(ram, local) as m:
+        assert step not in m.all_steps()
+        save(m, step, 7)
+    ids = save_ids(ram, local, step)
+    assert len(ids["ram"]) == 1 and ids["local"] == ids["ram"], ids  # one save, both tiers
+    each_tier_restores(ram, local, step, 7)
+
