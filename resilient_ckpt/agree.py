@@ -15,6 +15,13 @@ same order, as with Orbax. A round ends with a barrier, after which every
 process has read every key: each deletes its own, and none is left reading
 when another ends its program.
 With one process there is nothing to exchange and no store is used.
+
+After a process of the job is lost (its host is gone and the survivors go on
+in-process, `elastic.survivors`), `set_live` names the processes still
+running: every exchange and barrier from then on is among them only, in the
+order of their jax process indices, which stay those of jax. A process's
+`rank` among them labels the shares it writes from then on (`rank` of
+`size`), so a save by the survivors reads like a save by a smaller job.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ class Peers:
 
     def __init__(self, directory: str, timeout_s: float = 600.0):
         self.index, self.count = jax.process_index(), jax.process_count()
+        self.live: tuple[int, ...] = tuple(range(self.count))  # jax indices, ascending
         self.timeout_s = timeout_s
         self._client: Any = None
         self._round = 0
@@ -51,10 +59,31 @@ class Peers:
 
     @property
     def many(self) -> bool:
-        return self.count > 1
+        """Whether there are peers to exchange with (live processes besides this one)."""
+        return len(self.live) > 1
+
+    @property
+    def rank(self) -> int:
+        """This process's position among the live processes: its writer label."""
+        return self.live.index(self.index)
+
+    @property
+    def size(self) -> int:
+        """How many processes are live: the writer count of a save made now."""
+        return len(self.live)
+
+    def set_live(self, processes: Any) -> None:
+        """From now on, exchange among `processes` (jax process indices) only.
+        Every live process must call it with the same set at the same point."""
+        live = tuple(sorted({int(q) for q in processes}))
+        if self.index not in live or not set(live) <= set(range(self.count)):
+            raise ValueError(f"live processes {list(live)} must include this process "
+                             f"({self.index}) and lie in 0..{self.count - 1}")
+        self.live = live
 
     def exchange(self, what: str, view: Any) -> list[Any]:
-        """Every process's `view` (JSON-able), indexed by process; a collective."""
+        """Every live process's `view` (JSON-able), in the order of `live`
+        (the order of process indices); a collective."""
         if not self.many:
             return [view]
         k = self._round
@@ -62,7 +91,7 @@ class Peers:
         prefix = f"{_ROOT}/x/{self.token}/{k}/"
         self._client.key_value_set(prefix + str(self.index), json.dumps(view))
         out: list[Any] = []
-        for q in range(self.count):
+        for q in self.live:
             if q == self.index:
                 out.append(view)
                 continue
@@ -84,9 +113,10 @@ class Peers:
         return out
 
     def _wait(self, barrier: str, what: str, k: int) -> None:
+        some = list(self.live) if len(self.live) < self.count else None
         try:
-            self._client.wait_at_barrier(barrier, int(self.timeout_s * 1000))
+            self._client.wait_at_barrier(barrier, int(self.timeout_s * 1000), process_ids=some)
         except Exception as e:  # noqa: BLE001 - the client's errors are untyped
             raise AgreementError(
-                f"not every one of {self.count} processes finished {what} (round {k}) "
+                f"not every one of {len(self.live)} processes finished {what} (round {k}) "
                 f"within {self.timeout_s:g} s: one is gone") from e

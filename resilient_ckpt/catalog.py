@@ -257,8 +257,11 @@ class Catalog:
         # On a tier every process sees, each reports its own share (it knows
         # its own commits; another's view of it may be older than the commit),
         # and process 0 all it sees (saves by another process count included).
+        # Its own share is labelled by its index, or by its rank for a save
+        # made after a loss (agree.Peers.set_live).
+        me = {self.peers.index, self.peers.rank}
         mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
-                                   or q == self.peers.index or self.peers.index == 0)
+                                   or q in me or self.peers.index == 0)
         self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
         mine += _whole_copies(self._whole, obs, self.names, bad,
                               {(s.step, s.save_id) for s in mine})
@@ -273,6 +276,15 @@ class Catalog:
         with self._lock:
             self._job = job
         return views
+
+    def set_live(self, processes: Iterable[int]) -> None:
+        """After a loss: agreements among `processes` only (`Peers.set_live`),
+        from tiers observed again (the lost processes' last commits included);
+        what the last agreement decided is dropped until the next one."""
+        self.peers.set_live(processes)
+        self.reload()
+        with self._lock:
+            self._job = JobView([_empty_view()])
 
     def forget(self, step: int) -> None:
         """Drops a deleted step from the agreed view too (delete is collective)."""

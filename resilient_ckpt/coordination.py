@@ -12,7 +12,10 @@ and every branch after it is taken from the same exchanged data:
 - `finish` (`wait_until_finished`): failures anywhere, raised everywhere;
 - `restore`: the candidate steps, and after each attempt whether every
   process restored its part; if any could not, all move to the next older
-  step together (or all raise, for an explicit step or a bug).
+  step together (or all raise, for an explicit step or a bug);
+- `set_live`: after a loss, the survivors go on among themselves: every
+  collective above is among them from then on (`agree.Peers.set_live`).
+Exchanged views come in the order of the live processes (`peers.live`).
 """
 from __future__ import annotations
 
@@ -65,9 +68,9 @@ class Coordinator:
         views = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
                                     extra)
         self._started.clear()
-        failed = self._catalog.agreed_errors()
+        failed = [(self.peers.live[q], m) for q, m in self._catalog.agreed_errors()]
         if failed:
-            err = _agreed_failure(errors, failed, self.peers.index, self.peers.count,
+            err = _agreed_failure(errors, failed, self.peers.index, self.peers.size,
                                   self._directory)
             if not hold:
                 raise err
@@ -87,6 +90,14 @@ class Coordinator:
         """Agrees on what exists again (reload, restore)."""
         if self.peers.many:
             self._agree(what, failures=False)
+
+    def set_live(self, processes: Any) -> None:
+        """After a loss: every collective from now on among `processes` (jax
+        process indices; every one of them calls this at the same point),
+        from the tiers observed again; then they agree on what exists."""
+        self._catalog.set_live(processes)
+        self._started.clear()
+        self.refresh("a change of the live processes")
 
     def start_save(self, step: int) -> str:
         """The id of a save of `step`, the same on every process; earlier
@@ -176,7 +187,8 @@ class Coordinator:
         if reported:  # failed after telling the others it had read its part
             raise error or CheckpointError(f"restore of step {step} failed: {failure[1]}")
         views = self.peers.exchange(f"restore of step {step}", {"failure": failure, "holes": []})
-        return None, [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]], error
+        return None, [(self.peers.live[q], v["failure"]) for q, v in enumerate(views)
+                      if v["failure"]], error
 
     def _skeleton_if_none(self, step: int, choice: Choice | None) -> Choice | None:
         """Where this process can read nothing of `step` but a peer holds all of
@@ -186,9 +198,9 @@ class Coordinator:
                                    {"has": choice is not None})
         if all(v["has"] for v in have) or not any(v["has"] for v in have):
             return choice
-        first = next(q for q, v in enumerate(have) if v["has"])
+        first = next(q for q, v in enumerate(have) if v["has"])  # a position in peers.live
         doc = None
-        if self.peers.index == first and choice is not None:
+        if self.peers.rank == first and choice is not None:
             bare = dataclasses.replace(choice.manifest, items=tuple(
                 dataclasses.replace(it, leaves=tuple(dataclasses.replace(lf, chunks=())
                                                      for lf in it.leaves))
@@ -197,7 +209,8 @@ class Coordinator:
         doc = self.peers.exchange(f"restore of step {step} (its records)", doc)[first]
         if choice is not None:
             return choice
-        m = manifest.parse(doc.encode(), f"step {step}'s records from process {first}")
+        m = manifest.parse(doc.encode(),
+                           f"step {step}'s records from process {self.peers.live[first]}")
         return Choice(step, m.save_id, m.created, m, {})
 
     def _settle(self, step: int, holes: dict[str, Hole]) -> dict[str, Any]:
@@ -205,7 +218,8 @@ class Coordinator:
         fill from peers of the shards some process could not read."""
         mine = sorted(w for w, h in holes.items() if not all(h.have.values()))
         views = self.peers.exchange(f"restore of step {step}", {"failure": None, "holes": mine})
-        failures = [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]]
+        failures = [(self.peers.live[q], v["failure"]) for q, v in enumerate(views)
+                    if v["failure"]]
         if failures:
             raise _Abandoned(failures)
         wanted = sorted(set().union(*(set(v["holes"]) for v in views)))
@@ -220,7 +234,7 @@ class Coordinator:
             filled[w], good = peer_fill.fill(holes[w].array, holes[w].have)
             ok = ok and good
         views = self.peers.exchange(f"restore of step {step} (filled from peers)", {"ok": ok})
-        short = [q for q, v in enumerate(views) if not v["ok"]]
+        short = [self.peers.live[q] for q, v in enumerate(views) if not v["ok"]]
         if short:
             raise _Abandoned([(q, ["fallback", "some of its shards are held by no process"])
                               for q in short])
@@ -286,12 +300,12 @@ class Coordinator:
         finally:
             for _, st in tiers:
                 st.delete(probe + str(self.peers.index))
-        everyone = set(range(self.peers.count))
+        everyone = set(self.peers.live)
         for n, st in tiers:
             sets = [set(v[n]) for v in views]
             if all(s == everyone for s in sets):
                 st.shared = True
-            elif any(s != {q} for q, s in enumerate(sets)):
+            elif any(s != {q} for q, s in zip(self.peers.live, sets, strict=True)):
                 raise ValueError(
                     f"the {n} tier ({st.url}) is seen by some processes but not all "
                     f"(processes see {[sorted(s) for s in sets]}): give each process a "

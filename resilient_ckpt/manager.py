@@ -112,6 +112,14 @@ class CheckpointManager:
         self.catalog.reload()
         self._coord.refresh("reload")
 
+    def set_live_processes(self, processes: Any) -> None:
+        """After a lost process, with the survivors going on in-process (the
+        elastic loop calls it): agreements, restores, retention and the saves'
+        manifests from now on involve only `processes` (jax process indices,
+        process 0 among them); a collective among them, called by each at the
+        same point (docs/multihost.md, "In-process recovery")."""
+        self._coord.set_live(processes)
+
     def all_steps(self, read: bool = False) -> list[int]:
         """Committed viable steps and steps whose save is still in flight."""
         if read:
@@ -157,12 +165,9 @@ class CheckpointManager:
              metrics: Any = None, force: bool | None = False, args: Any = None,
              custom_metadata: dict | None = None) -> bool:
         """Snapshots the state to host memory and writes it to every due tier in
-        the background. Returns whether a save was started.
-
-        Failures of earlier saves never stop this one: they are raised after
-        this step's save has started (or was found not due), every one not
-        yet raised, once (`check_for_errors`). A SaveFailedError from `save`
-        is about the steps it names; this step is being written."""
+        the background; returns whether a save was started. Earlier saves'
+        failures are raised after this step's save started (a SaveFailedError
+        from `save` is about the steps it names), each once."""
         del save_kwargs
         started = self._save(step, items, metrics, force, args, custom_metadata)
         self._coord.raise_failures()
@@ -170,12 +175,7 @@ class CheckpointManager:
 
     def _save(self, step: int, items: Any, metrics: Any, force: bool | None, args: Any,
               custom_metadata: dict | None) -> bool:
-        if args is None and items is None:
-            raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
-        if args is None:
-            import orbax.checkpoint as ocp
-            args = ocp.args.StandardSave(items)
-        item_list, _ = args_lib.save_items(args)
+        item_list, _ = args_lib.save_items(_orbax_args(args, items, "StandardSave"))
         if self._options.read_only:
             log.warning("%s is read only; save of step %d skipped", self._directory, step)
             return False
@@ -195,12 +195,9 @@ class CheckpointManager:
             self.wait_until_finished()
         return True
 
-    # ------------------------------------------------------------ errors & waiting
-
     def check_for_errors(self) -> None:
-        """Raises every background save failure not yet raised, once: one as
-        it is, several as one SaveFailedError listing them (each in
-        `.failures`, with its `.step` and `.tier`)."""
+        """Raises every background failure not yet raised, once (several as one
+        SaveFailedError listing them in `.failures`, each with `.step`, `.tier`)."""
         self._coord.raise_failures()
         self._saver.raise_errors()
 
@@ -238,32 +235,21 @@ class CheckpointManager:
         to older ones, with a warning, when chunks of the newest are corrupt)."""
         del restore_kwargs
         if directory is not None and str(directory) != str(self._directory):
-            other = CheckpointManager(directory, options=dataclasses.replace(
-                self._options, tiers=(), read_only=True, cleanup_tmp_directories=False))
-            try:
-                return other.restore(step, items=items, args=args)
-            finally:
-                other.close()
+            return _restore_elsewhere(directory, self._options, step, items, args)
         if args is None and items is not None:
-            import orbax.checkpoint as ocp
-            args = ocp.args.StandardRestore(items)
+            args = _orbax_args(args, items, "StandardRestore")
         requests, is_composite = args_lib.restore_requests(args)
         self._saver.wait_for_restore(step, lambda s: s in self.catalog.steps())
         self._coord.refresh("restore")
-        ours, orbax = self.catalog.steps(), self.catalog.orbax_steps()
-        orbax_newest = max(orbax, default=None)
-        d, naming = str(self._directory), self._plan.naming
-        if step is None and orbax_newest is not None and orbax_newest > max(ours, default=-1):
-            return legacy.restore(d, naming, orbax_newest, args)
-        if step is not None and step not in ours and step in orbax:
-            return legacy.restore(d, naming, step, args)
+        theirs = _orbax_choice(step, self.catalog.steps(), self.catalog.orbax_steps())
+        if theirs is not None:
+            return legacy.restore(str(self._directory), self._plan.naming, theirs, args)
 
         def attempt(chosen: Choice, settle: Any = None) -> Any:
-            record = RestoreRecord(chosen.step)
-            bad = self.catalog.bad()
+            record, bad = RestoreRecord(chosen.step), self.catalog.bad()
             try:
-                out = restore_choice(chosen, self.catalog.storages(), naming, requests,
-                                     is_composite, record, bad,
+                out = restore_choice(chosen, self.catalog.storages(), self._plan.naming,
+                                     requests, is_composite, record, bad,
                                      self._options.restore_memory_budget,
                                      self._options.progress, settle)
             finally:
@@ -326,3 +312,34 @@ def _due(tiers: list[Tier], o: CheckpointManagerOptions, step: int, latest: int 
     if latest is None or (o.save_on_steps and step in o.save_on_steps) or preempted():
         return list(tiers)
     return [t for t in tiers if t.plan.every and step % t.plan.every == 0]
+
+
+def _restore_elsewhere(directory: Any, options: CheckpointManagerOptions, step: int | None,
+                       items: Any, args: Any) -> Any:
+    """`restore(directory=...)`: a read-only manager of that directory, for one restore."""
+    other = CheckpointManager(directory, options=dataclasses.replace(
+        options, tiers=(), read_only=True, cleanup_tmp_directories=False))
+    try:
+        return other.restore(step, items=items, args=args)
+    finally:
+        other.close()
+
+
+def _orbax_choice(step: int | None, ours: Any, orbax: set[int]) -> int | None:
+    """The Orbax-written step a restore of `step` reads, if it reads one: the
+    asked step when only Orbax has it, or for the latest, Orbax's newest when
+    it is newer than every step of ours."""
+    if step is None:
+        newest = max(orbax, default=None)
+        return newest if newest is not None and newest > max(ours, default=-1) else None
+    return step if step not in ours and step in orbax else None
+
+
+def _orbax_args(args: Any, items: Any, kind: str) -> Any:
+    """Orbax's legacy `items=` form as `ocp.args.<kind>(items)`."""
+    if args is not None:
+        return args
+    if items is None:
+        raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
+    import orbax.checkpoint as ocp
+    return getattr(ocp.args, kind)(items)

@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from . import commit, metadata, snapshot
 from .catalog import Catalog
 from .claim import StepClaim
@@ -273,8 +271,8 @@ class Saver:
         rec = SaveRecord(step)
         t0 = time.perf_counter()
         replicas = any(_keeps_replicas(t) for t in tiers)
-        records, sources = snapshot.describe_items(items, save_id, jax.process_index(),
-                                                   replicas)
+        peers = self._catalog.peers  # after a loss, the survivors' labels (agree.py)
+        records, sources = snapshot.describe_items(items, save_id, peers.rank, replicas)
         need = sum(int(s[4].nbytes) if hasattr(s[4], "nbytes") else 0 for s in sources)
         self._flying.reserve(need, rec, [t.name for t in tiers if t.storage.remote])
         try:
@@ -286,8 +284,8 @@ class Saver:
             self._flying.unreserve(need)
             raise
         rec.bytes = snap.nbytes
-        header = dict(created=time.time(), process_index=jax.process_index(),
-                      process_count=jax.process_count(), metrics=metadata.jsonable(metrics),
+        header = dict(created=time.time(), process_index=peers.rank,
+                      process_count=peers.size, metrics=metadata.jsonable(metrics),
                       custom_metadata=metadata.jsonable(custom_metadata))
         self._catalog.note_in_flight(step, header["created"], header["metrics"])
         flight = _Flight(snap, need, rec, {t.name for t in tiers}, header, StepClaim(
