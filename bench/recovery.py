@@ -11,8 +11,12 @@ Cases, each timed from the failure to the next completed step, interleaved
 within each repeat so that other tenants' noise hits all alike:
 
 - resilient_ckpt / loop: `Elastic` with `build=` (the step for the likely
-  smaller mesh compiled ahead of time, in the background): health check, RAM
-  tier restore onto the 4-device mesh, first step;
+  smaller mesh compiled ahead of time, in the background) and `reserve=True`
+  (touched buffers for the state on that mesh, which the restore is copied
+  into, so the first step donates them): health check, RAM tier restore onto
+  the 4-device mesh, first step;
+- resilient_ckpt / loop_plain: the same without the reserve (the first step
+  after the restore writes the state into fresh memory);
 - resilient_ckpt / loop_jit: the same without `build=` (the step is jitted and
   compiled on the recovery path);
 - orbax / relaunch: what a job does without in-process recovery: a fresh
@@ -202,8 +206,10 @@ def manager(a, tag: str):
             shutil.rmtree(d, ignore_errors=True)
 
 
-def loop_recovery(a, nbytes: int, aot: bool, check) -> dict:
+def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False) -> dict:
     """One elastic run that fails once: the failure's RecoveryEvent, as a dict."""
+    import jax
+
     from resilient_ckpt import Elastic
     from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
     full, small = meshes()
@@ -211,24 +217,31 @@ def loop_recovery(a, nbytes: int, aot: bool, check) -> dict:
     faults = FaultInjector([DeviceFault(fail_at, (4, 5, 6, 7))], check=check)
     with manager(a, "loop") as mngr:
         el = Elastic(mngr, full, health_check=faults.health_check,
-                     build=(lambda m: build_aot(m, nbytes)) if aot else None)
+                     build=(lambda m: build_aot(m, nbytes)) if aot else None,
+                     reserve=reserve)
 
         @el.run
         def train(mesh):
             step_fn, abstract, init = el.program(mesh) if aot else build(mesh, nbytes)
             step_fn = faults.wrap(step_fn)
             state, start = el.restore(abstract, init)
-            for step in range(start + 1, fail_at + 3):
+            for step in range(start + 1, fail_at + 4):
                 if aot and step == fail_at:
                     # A job fails hours in, not seconds: let the background build
-                    # of the smaller mesh's step finish first (this waits for it).
+                    # of the smaller mesh's step (and its reserve) finish first.
                     el.program(small)
+                    el.reserve.wait()
+                t0 = time.perf_counter()
                 state, loss = step_fn(step, state)
+                if mesh.size < full.size and step > start + 1:  # an ordinary step, timed
+                    jax.block_until_ready(state)
+                    after.append(time.perf_counter() - t0)
                 el.save(step, state)
 
+        after: list[float] = []
         train()
         mngr.wait_until_finished()
-        return el.timeline[0].to_dict()
+        return {**el.timeline[0].to_dict(), "ordinary_step_s": median(after)}
 
 
 def orbax_checkpoint(a, nbytes: int) -> str:
@@ -248,15 +261,16 @@ def orbax_checkpoint(a, nbytes: int) -> str:
 def measure_size(a, nbytes: int, check) -> dict:
     orbax_dir = orbax_checkpoint(a, nbytes)
     cache = tempfile.mkdtemp(prefix="rc-recovery-xla-cache-", dir=a.workdir)
-    runs: dict[str, list[dict]] = {k: [] for k in ("loop", "loop_jit", "relaunch",
-                                                   "relaunch_compile_cache")}
+    runs: dict[str, list[dict]] = {k: [] for k in ("loop", "loop_plain", "loop_jit",
+                                                   "relaunch", "relaunch_compile_cache")}
     try:
         relaunch(a, nbytes, orbax_dir, cache)  # fills the compilation cache (not timed)
         cases = list(runs)
         for r in range(a.repeats):
             for case in cases[r % len(cases):] + cases[:r % len(cases)]:
                 if case.startswith("loop"):
-                    out = loop_recovery(a, nbytes, case == "loop", check)
+                    out = loop_recovery(a, nbytes, case != "loop_jit", check,
+                                        reserve=case == "loop")
                 else:
                     out = relaunch(a, nbytes, orbax_dir,
                                    cache if case == "relaunch_compile_cache" else None)
@@ -280,6 +294,7 @@ def measure_size(a, nbytes: int, check) -> dict:
             line["restored_from"] = outs[-1]["restored_from"]
         emit(line)
         medians[case] = median(totals)
+    medians["step"] = median([o["ordinary_step_s"] for o in runs["loop"]])
     return medians
 
 
@@ -404,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                 m["loop"] / m["relaunch_compile_cache"])
             summary[f"recovery_speedup_vs_relaunch_{label}"] = m["relaunch"] / m["loop"]
             summary[f"loop_jit_fraction_of_relaunch_{label}"] = m["loop_jit"] / m["relaunch"]
+            summary[f"loop_plain_fraction_of_relaunch_{label}"] = m["loop_plain"] / m["relaunch"]
+            # The floor: no recovery can end before one ordinary step on the new mesh.
+            summary[f"one_step_fraction_of_relaunch_{label}"] = m["step"] / m["relaunch"]
         if "relaunch" in only:
             import _relaunch_case
             summary.update(_relaunch_case.measure(

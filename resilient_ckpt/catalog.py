@@ -254,17 +254,8 @@ class Catalog:
         with self._lock:
             obs, bad = self._observations(), frozenset(self._bad)
             orbax = sorted(self._orbax)
-        # On a tier every process sees, each reports its own share (it knows
-        # its own commits; another's view of it may be older than the commit),
-        # and process 0 all it sees (saves by another process count included).
-        # Its own share is labelled by its index, or by its rank for a save
-        # made after a loss (agree.Peers.set_live).
-        me = {self.peers.index, self.peers.rank}
-        mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
-                                   or q in me or self.peers.index == 0)
         self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
-        mine += _whole_copies(self._whole, obs, self.names, bad,
-                              {(s.step, s.save_id) for s in mine})
+        mine = _reported(obs, bad, shared, self.peers, self._whole, self.names)
         view = dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
                     errors=list(errors), orbax=orbax, **(extra or {}))
         views = self.peers.exchange(what, view)
@@ -276,15 +267,6 @@ class Catalog:
         with self._lock:
             self._job = job
         return views
-
-    def set_live(self, processes: Iterable[int]) -> None:
-        """After a loss: agreements among `processes` only (`Peers.set_live`),
-        from tiers observed again (the lost processes' last commits included);
-        what the last agreement decided is dropped until the next one."""
-        self.peers.set_live(processes)
-        self.reload()
-        with self._lock:
-            self._job = JobView([_empty_view()])
 
     def forget(self, step: int) -> None:
         """Drops a deleted step from the agreed view too (delete is collective)."""
@@ -352,6 +334,19 @@ class Catalog:
             if c is not None and c.manifest.metrics is not None:
                 metrics[s] = c.manifest.metrics
         return job.doomed(tier, own, keep, rule, metrics, pinned)
+
+
+def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: dict,
+              names: list[str]) -> list[shares.Share]:
+    """The shares this process reports at an agreement. On a tier every
+    process sees, each reports its own share (it knows its own commits;
+    another's view of it may be older than the commit), labelled by its
+    index, or by its rank for a save made after a loss (`Peers.set_live`);
+    process 0 all it sees (saves by another process count included)."""
+    me = {peers.index, peers.rank}
+    mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
+                               or q in me or peers.index == 0)
+    return mine + _whole_copies(whole, obs, names, bad, {(s.step, s.save_id) for s in mine})
 
 
 def _whole_copies(cache: dict, obs: dict, names: list[str], bad: frozenset,

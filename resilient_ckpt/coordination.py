@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import manifest, peer_fill
+from .agree import Peers
 from .catalog import Catalog
 from .errors import (
     CheckpointError,
@@ -83,7 +84,7 @@ class Coordinator:
         """Tells shared tiers from per-host ones, then agrees on what exists."""
         if self.peers.many:
             if writable:
-                self._classify_tiers()
+                _classify_tiers(self._catalog, self.peers)
             self._agree("open", failures=False)
 
     def refresh(self, what: str) -> None:
@@ -95,7 +96,8 @@ class Coordinator:
         """After a loss: every collective from now on among `processes` (jax
         process indices; every one of them calls this at the same point),
         from the tiers observed again; then they agree on what exists."""
-        self._catalog.set_live(processes)
+        self.peers.set_live(processes)
+        self._catalog.reload()  # the lost processes' last commits included
         self._started.clear()
         self.refresh("a change of the live processes")
 
@@ -281,36 +283,34 @@ class Coordinator:
         return any(set(tiers) - set(again.sources.get(key, ()))
                    for key, tiers in chosen.sources.items())
 
-    # ------------------------------------------------------------ tiers
-
-    def _classify_tiers(self) -> None:
-        """Marks a file tier that every process sees as shared; one that each
-        has its own of stays per-host; anything between is an error."""
-        tiers = [(n, st) for n, st in self._catalog.storages().items() if not st.shared]
-        if not tiers:
-            return
-        probe = f".rc-probe.{self.peers.token}."
+def _classify_tiers(catalog: Catalog, peers: Peers) -> None:
+    """Marks a file tier that every process sees as shared; one that each
+    has its own of stays per-host; anything between is an error."""
+    tiers = [(n, st) for n, st in catalog.storages().items() if not st.shared]
+    if not tiers:
+        return
+    probe = f".rc-probe.{peers.token}."
+    for _, st in tiers:
+        st.put(probe + str(peers.index), memoryview(b""))
+    try:
+        peers.exchange("open (probes written)", {})
+        seen = {n: sorted(int(x[len(probe):]) for x in st.list("", starts_with=probe))
+                for n, st in tiers}
+        views = peers.exchange("open (probes seen)", seen)
+    finally:
         for _, st in tiers:
-            st.put(probe + str(self.peers.index), memoryview(b""))
-        try:
-            self.peers.exchange("open (probes written)", {})
-            seen = {n: sorted(int(x[len(probe):]) for x in st.list("", starts_with=probe))
-                    for n, st in tiers}
-            views = self.peers.exchange("open (probes seen)", seen)
-        finally:
-            for _, st in tiers:
-                st.delete(probe + str(self.peers.index))
-        everyone = set(self.peers.live)
-        for n, st in tiers:
-            sets = [set(v[n]) for v in views]
-            if all(s == everyone for s in sets):
-                st.shared = True
-            elif any(s != {q} for q, s in zip(self.peers.live, sets, strict=True)):
-                raise ValueError(
-                    f"the {n} tier ({st.url}) is seen by some processes but not all "
-                    f"(processes see {[sorted(s) for s in sets]}): give each process a "
-                    "directory of its own (e.g. RamTier(path=...) per process) or one that "
-                    "every process sees")
+            st.delete(probe + str(peers.index))
+    everyone = set(peers.live)
+    for n, st in tiers:
+        sets = [set(v[n]) for v in views]
+        if all(s == everyone for s in sets):
+            st.shared = True
+        elif any(s != {q} for q, s in zip(peers.live, sets, strict=True)):
+            raise ValueError(
+                f"the {n} tier ({st.url}) is seen by some processes but not all "
+                f"(processes see {[sorted(s) for s in sets]}): give each process a "
+                "directory of its own (e.g. RamTier(path=...) per process) or one that "
+                "every process sees")
 
 
 _RELOADS = 8  # re-observations of the tiers one restore may make

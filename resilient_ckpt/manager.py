@@ -55,8 +55,7 @@ class CheckpointManager:
         if not o.create and not remote and not os.path.isdir(directory) and not o.read_only:
             raise FileNotFoundError(f"{directory} does not exist and options.create=False")
         self._plan = plan = resolve(o, str(self._directory))
-        storages = {t.name: t.config.open(str(self._directory), plan.writable)
-                    for t in plan.tiers}
+        storages = {t.name: t.config.open(str(self._directory), plan.writable) for t in plan.tiers}
         home = os.path.abspath(str(self._directory))
         self.catalog = Catalog([(t.name, storages[t.name]) for t in plan.tiers], plan.naming,
                                str(self._directory),
@@ -80,8 +79,7 @@ class CheckpointManager:
 
     def _clean(self) -> None:
         for t in self._saver.tiers:
-            # The cleanup thread runs beside the program; it asks jax nothing
-            # (the backend may be shutting down when the program ends).
+            # Runs beside the program: asks jax nothing (its backend may be shutting down).
             commit.clean_tier(t.storage, self._plan.naming,
                               getattr(t.plan.config, "orphan_age_s", None),
                               self.catalog.peers.index)
@@ -107,17 +105,12 @@ class CheckpointManager:
         return list(self._saver.tiers)
 
     def reload(self) -> None:
-        """Re-reads every tier (steps written by other processes appear); with
-        several processes, a collective."""
+        """Re-reads every tier (others' new steps appear); a collective with several processes."""
         self.catalog.reload()
         self._coord.refresh("reload")
 
     def set_live_processes(self, processes: Any) -> None:
-        """After a lost process, with the survivors going on in-process (the
-        elastic loop calls it): agreements, restores, retention and the saves'
-        manifests from now on involve only `processes` (jax process indices,
-        process 0 among them); a collective among them, called by each at the
-        same point (docs/multihost.md, "In-process recovery")."""
+        """After a loss, go on among `processes` only (a collective; multihost.md)."""
         self._coord.set_live(processes)
 
     def all_steps(self, read: bool = False) -> list[int]:

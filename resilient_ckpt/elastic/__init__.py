@@ -5,6 +5,8 @@ This package owns in-process recovery; its modules, from the loop down:
 - `loop`: `Elastic`, the loop itself (run, restore, save, recover, scale up);
 - `scaleup`: `ScaleUpWatcher`, when to look for returned devices and grow;
 - `timeline`: `RecoveryEvent`, `format_timeline`, and the `Recorder` timing each event;
+- `survivors`: with several processes, the survivors of a lost one going on
+  (the step guard `Elastic.step`, the lost processes, telling the manager);
 - `devices`: waiting for a usable mesh, dropping arrays on lost devices;
 - `state`: resharding the live state onto a new mesh, checking restore targets;
 - `programs`: `build(mesh)` results per mesh, built ahead of time in the background,

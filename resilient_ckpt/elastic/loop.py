@@ -32,9 +32,16 @@ training gets past the highest step completed before it counts against
 `RecoveryPolicy.max_attempts`, so one that recurs at the same step ends.
 When lost devices pass the health check again, `el.save` interrupts the loop at
 the next save point and training resumes on the larger mesh from that very
-step (resharded from the live state: no step is lost). The loop is for one
-controller driving every device (Pathways, or one process with many devices);
-the classifier also knows multi-controller failures.
+step (resharded from the live state: no step is lost).
+
+With several processes (`jax.distributed`, one per host), the survivors of a
+lost process go on in-process (`survivors`): each step runs through
+`el.step(step_fn, ...)` (inside jax's `live_devices`), so every survivor gets
+the same `ProcessFailureError` naming the lost devices; the loop builds the
+mesh from the survivors' devices, tells the manager which processes are
+left (its agreements, restores and saves are among them from then on), and
+restores onto that mesh; a lost process never comes back into the running
+job, so the mesh does not grow again.
 """
 from __future__ import annotations
 
@@ -48,14 +55,15 @@ import jax
 from jax.sharding import Mesh
 
 from ..errors import RecoveryFailedError
+from . import survivors
 from .devices import drop_arrays, wait_for_mesh
 from .failures import HealthCheck, HealthFn, is_recoverable, named_lost, warm_up
 from .mesh import ChooseMesh, mesh_ids, mesh_shape, shape_str, shrink_data_axis
 from .policy import RecoveryPolicy
-from .programs import Programs
+from .programs import Programs, likely_meshes
 from .protocol import ManagerLike
 from .scaleup import ScaleUpWatcher
-from .state import check_on_mesh, reshard_live, standard_restore, standard_save
+from .state import StateReserve, check_on_mesh, reshard_live, standard_restore, standard_save
 from .timeline import Recorder, RecoveryEvent, no_loss_advice
 
 log = logging.getLogger("resilient_ckpt.elastic")
@@ -89,6 +97,11 @@ class Elastic:
     save point after it is built, or after
     `grow_wait_s`, whichever comes first), so no compile sits on the recovery
     path. `build` must not depend on anything but the mesh.
+
+    `reserve=True` (CPU backend): also keeps touched buffers for the state on
+    the likeliest smaller mesh, which a restore onto it is copied into, so the
+    first step after it donates them instead of filling fresh memory; costs
+    one more state in host memory (`state.StateReserve`; `el.reserve.wait()`).
     """
 
     def __init__(self, manager: ManagerLike, mesh: Mesh, *, data_axis: str = "data",
@@ -97,7 +110,7 @@ class Elastic:
                  health_check: HealthFn | None = None,
                  rescale_every_s: float = 60.0, clear_caches: bool = True,
                  build: Callable[[Mesh], Any] | None = None, precompile: int = 1,
-                 grow_wait_s: float = 120.0):
+                 grow_wait_s: float = 120.0, reserve: bool = False):
         if data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}; pass data_axis= one of {mesh.axis_names}")
@@ -110,14 +123,18 @@ class Elastic:
         self._programs = Programs(build, precompile) if build is not None else None
         if health_check is None:
             health_check = HealthCheck()
-        if isinstance(health_check, HealthCheck):
-            health_check.prepare(list(mesh.devices.flat))  # compile now, not when recovering
+        if isinstance(health_check, HealthCheck):  # compile now, not when recovering
+            health_check.prepare(survivors.own(mesh.devices.flat))
+        if survivors.multi():  # only this process's devices can be probed from here
+            health_check = survivors.LocalHealth(health_check)
         self._health = health_check
+        self._live, self._grows = list(range(jax.process_count())), True  # a lost one stays lost
         self._clear_caches = clear_caches
         self._watch = ScaleUpWatcher(health_check, self._choose, mesh, every_s=rescale_every_s,
                                      grow_wait_s=grow_wait_s, programs=self._programs)
         self._rec = Recorder()
         self._stash: tuple[int, Any] | None = None   # (save step, live state) of a scale-up
+        self.reserve = StateReserve(reserve)
         warm_up()
 
     # -------------------------------------------------------------- public
@@ -133,9 +150,12 @@ class Elastic:
                 except _Rescale:
                     continue
                 except Exception as e:  # noqa: BLE001 - classified, and re-raised unless recoverable
-                    if not is_recoverable(e):
-                        raise
-                    self._recover(e)
+                    err = survivors.explain(e, self._live)  # an agreement that timed out
+                    if not is_recoverable(err):
+                        if err is e:
+                            raise
+                        raise err from e
+                    self._recover(err)
         return wrapper
 
     def program(self, mesh: Mesh | None = None) -> Any:
@@ -174,6 +194,7 @@ class Elastic:
             raise ValueError("Elastic.restore needs the abstract state for the current mesh "
                              "(jax.ShapeDtypeStruct leaves with shardings on el.mesh) or args=")
         check_on_mesh(abstract, self.mesh)
+        self.reserve.note(abstract, self.mesh == self.full_mesh)
         ev, t0 = self._rec.pending, self._rec.restoring()
         if ev is not None and ev.kind == "scale_up" and self._stash is not None:
             step, live = self._stash
@@ -190,11 +211,16 @@ class Elastic:
         else:
             state = self.manager.restore(None, args=args if args is not None
                                          else standard_restore(abstract))
+            state = self.reserve.take(state, self.mesh)
             rec = self.manager.last_restore
             assert rec is not None  # the restore just made
             step, tiers = rec.step, dict(rec.bytes_by_tier)
         self._rec.restored(step, tiers, t0)
         return state, step
+
+    def step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args)`; with several processes, inside jax's live_devices (`survivors.guarded`)."""
+        return survivors.guarded(fn, *args, **kwargs)
 
     def save(self, step: int, state: Any = None, *, args: Any = None, **save_kwargs: Any) -> bool:
         """Call after every completed step: `manager.save` (which saves only when
@@ -213,9 +239,13 @@ class Elastic:
         self._rec.saved(step)
         if self._programs is not None:
             self._programs.start_likely(self._choose, self.full_mesh, self._data_axis)
-        just_checked = self._watch.poll(self.mesh, self.retry.health_timeout_s)
-        if saved and self._watch.ready():
-            self._scale_up(step, state, recheck=not just_checked)
+        if self.mesh == self.full_mesh:
+            self.reserve.start(lambda: likely_meshes(self._choose, self.full_mesh,
+                                                     self._data_axis, 1))
+        if self._grows:
+            just_checked = self._watch.poll(self.mesh, self.retry.health_timeout_s)
+            if saved and self._watch.ready():
+                self._scale_up(step, state, recheck=not just_checked)
         return saved
 
     def request_rescale(self) -> None:
@@ -248,7 +278,7 @@ class Elastic:
         self._rec.episode.append(ev)
         mesh, self._rec.waited, why = wait_for_mesh(self._health, self._choose, self.full_mesh,
                                                     self.retry, ev, self._rec.waited,
-                                                    named_lost(exc))
+                                                    named_lost(exc) | survivors.gone(self._live))
         if mesh is None:
             self._give_up(ev, exc, why)
         lost = set(self.full_mesh.devices.flat) - set(mesh.devices.flat)
@@ -256,6 +286,10 @@ class Elastic:
         if self._programs is not None:
             self._programs.drop(d.id for d in lost)
         self._watch.cancel()
+        live, problem = survivors.go_on(self.manager, ev.lost_devices, self._live, mesh)
+        if problem is not None:
+            self._give_up(ev, exc, problem, "Relaunch the job; it resumes from that step.")
+        self._live, self._grows = live, self._grows and live == self._live
         ev.health_s = time.perf_counter() - t_detect
         self.mesh = mesh
         ev.devices_after, ev.mesh_after = mesh_ids(mesh), mesh_shape(mesh)

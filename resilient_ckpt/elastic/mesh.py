@@ -17,19 +17,22 @@ ChooseMesh = Callable[[Collection[jax.Device], Mesh], "Mesh | None"]
 
 
 def shrink_data_axis(healthy: Collection[jax.Device], mesh: Mesh,
-                     data_axis: str = "data") -> Mesh | None:
+                     data_axis: str = "data", divisor: bool = True) -> Mesh | None:
     """The default mesh policy: keep every other axis whole and shrink `data_axis`.
 
     Keeps the rows along `data_axis` (model-parallel groups, as laid out in
     `mesh`) whose devices are all healthy, as many as the largest divisor of the
     original data size allows (so a global batch that divided the old data axis
-    divides the new one), in their original order. None when no row is whole.
+    divides the new one), in their original order; with `divisor=False`, every
+    whole row (so that with several processes each survivor keeps its devices
+    in the mesh; the state's sharded sizes must then divide by the rows left).
+    None when no row is whole.
     """
     axis = mesh.axis_names.index(data_axis)
     rows = np.moveaxis(mesh.devices, axis, 0)
     whole = [i for i in range(rows.shape[0]) if all(d in healthy for d in rows[i].flat)]
     size = rows.shape[0]
-    n = max((k for k in range(1, len(whole) + 1) if size % k == 0), default=0)
+    n = max((k for k in range(1, len(whole) + 1) if size % k == 0 or not divisor), default=0)
     if n == 0:
         return None
     return Mesh(np.moveaxis(rows[whole[:n]], 0, axis), mesh.axis_names)

@@ -20,7 +20,10 @@ class RestoreRecordLike(Protocol):
 
 
 class ManagerLike(Protocol):
-    """The members of `CheckpointManager` that `Elastic` calls."""
+    """The members of `CheckpointManager` that `Elastic` calls. In a job of
+    several processes, after a process is lost, the loop also calls
+    `set_live_processes(processes)` (`survivors.tell_manager`); a manager
+    without it cannot go on among the survivors."""
 
     @property
     def directory(self) -> Any:

@@ -11,10 +11,11 @@ that stops answering and cannot come back into the running job:
 - `explain`: a manager's agreement that timed out (a process lost between
   two steps, while the others waited for its view) becomes the same kind of
   failure, from one more `live_devices` round among the survivors;
-- which processes are left (`live_after`), the checks the new mesh must
-  pass (process 0 survived; every survivor has a device in it), and telling
-  the manager (`tell_manager`: `set_live_processes`, after which its
-  agreements, restores, retention and saves involve the survivors only);
+- going on (`go_on`): which processes are left (`live_after`), the checks
+  the new mesh must pass (process 0 survived; every survivor has a device
+  in it), and telling the manager (`tell_manager`: `set_live_processes`,
+  after which its agreements, restores, retention and saves involve the
+  survivors only);
 - `LocalHealth`: a health check that probes only this process's devices
   (another process's cannot be run from here; a lost one is named by the
   failure).
@@ -26,6 +27,7 @@ The job's settings for this (docs/elastic.md, "Survivors go on"):
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -36,10 +38,17 @@ from ..errors import AgreementError
 from .failures import DeviceLossError, HealthFn, named_lost
 from .protocol import ManagerLike
 
+log = logging.getLogger("resilient_ckpt.elastic")
+
 
 def multi() -> bool:
     """Whether this is a job of several processes."""
     return jax.process_count() > 1
+
+
+def own(devices: Any) -> list[jax.Device]:
+    """Those of `devices` that this process drives."""
+    return [d for d in devices if d.process_index == jax.process_index()]
 
 
 def guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -55,7 +64,7 @@ def guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def explain(exc: BaseException, live: Sequence[int]) -> BaseException:
+def explain(exc: Exception, live: Sequence[int]) -> Exception:
     """For an `AgreementError` in a job of several processes: the failure that
     names the devices of the processes lost since `live` was the job, found
     by a `live_devices` round among the processes left (each survivor timed
@@ -80,9 +89,18 @@ def explain(exc: BaseException, live: Sequence[int]) -> BaseException:
 
 
 def live_after(lost_ids: Collection[int], live: Sequence[int]) -> list[int]:
-    """The processes of `live` none of whose devices is among `lost_ids`."""
-    gone = {d.process_index for d in jax.devices() if d.id in lost_ids}
-    return [q for q in live if q not in gone]
+    """The processes of `live` left after losing the devices `lost_ids`: a
+    process is lost with every one of its devices (a lost host), not with
+    some; with one process, it is always left."""
+    if not multi():
+        return list(live)
+    left = {d.process_index for d in jax.devices() if d.id not in lost_ids}
+    return [q for q in live if q in left]
+
+
+def gone(live: Sequence[int]) -> frozenset[int]:
+    """The ids of the devices of processes no longer in `live` (lost before)."""
+    return frozenset(d.id for d in jax.devices() if d.process_index not in live)
 
 
 def mesh_problem(mesh: Mesh, live: Sequence[int]) -> str | None:
@@ -98,6 +116,22 @@ def mesh_problem(mesh: Mesh, live: Sequence[int]) -> str | None:
                 "choose_mesh that keeps a device of every survivor, e.g. "
                 "functools.partial(shrink_data_axis, divisor=False)")
     return None
+
+
+def go_on(manager: ManagerLike, lost_ids: Collection[int], live: Sequence[int],
+          mesh: Mesh) -> tuple[list[int], str | None]:
+    """After the loss of `lost_ids` with `mesh` chosen: the processes left of
+    `live` and, when some were lost, either why the job cannot go on with
+    `mesh`, or None once the manager was told (a collective among them)."""
+    left = live_after(lost_ids, live)
+    if left == list(live):
+        return left, None
+    why = mesh_problem(mesh, left)
+    if why is None:
+        log.warning("elastic: processes %s lost; going on with processes %s",
+                    sorted(set(live) - set(left)), left)
+        tell_manager(manager, left)
+    return left, why
 
 
 def tell_manager(manager: ManagerLike, live: Sequence[int]) -> None:

@@ -1,0 +1,167 @@
+"""The state reserve: touched, XLA-owned buffers a restore is copied into.
+
+On 8 CPU devices with a real RAM tier: the restored values survive the copy,
+the large leaves end up in the reserve's own buffers, the next step donates
+them (the point of the reserve), a state that does not fit is left as it is,
+and the elastic loop with `reserve=True` recovers to the same state as a run
+without failures.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import contextlib
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, Elastic, RamTier
+from resilient_ckpt.elastic.state import StateReserve, retarget, standard_restore, standard_save
+from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
+
+ROWS, COLS = 4096, 128  # 2 MiB of uint32 per table: above the reserve's threshold
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    devs = np.array(jax.devices()[:8])
+    if len(devs) < 8:
+        pytest.skip("needs 8 CPU devices")
+    return Mesh(devs.reshape(4, 2), ("data", "model")), Mesh(devs[:4].reshape(2, 2),
+                                                             ("data", "model"))
+
+
+def abstract_on(mesh: Mesh) -> dict:
+    rows = NamedSharding(mesh, P(("data", "model"), None))
+    rep = NamedSharding(mesh, P())
+    return {"emb": jax.ShapeDtypeStruct((ROWS, COLS), jnp.uint32, sharding=rows),
+            "mom": jax.ShapeDtypeStruct((ROWS, COLS), jnp.uint32, sharding=rows),
+            "count": jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep)}
+
+
+def init(mesh: Mesh) -> dict:
+    a = abstract_on(mesh)
+    host = {"emb": np.arange(ROWS * COLS, dtype=np.uint32).reshape(ROWS, COLS),
+            "mom": np.full((ROWS, COLS), 7, np.uint32), "count": np.uint32(0)}
+    return {k: jax.device_put(v, a[k].sharding) for k, v in host.items()}
+
+
+def _step(s):
+    i = s["count"] % ROWS
+    emb = s["emb"].at[i].add(s["mom"][i] + s["count"])
+    return {"emb": emb, "mom": s["mom"].at[i].add(1), "count": s["count"] + 1}
+
+
+def step_on(mesh: Mesh):
+    a = abstract_on(mesh)
+    return jax.jit(_step, donate_argnums=0,
+                   out_shardings={k: v.sharding for k, v in a.items()})
+
+
+@contextlib.contextmanager
+def manager(every: int = 2):
+    local, ram = tempfile.mkdtemp(), tempfile.mkdtemp(dir="/dev/shm")
+    mngr = CheckpointManager(local, options=CheckpointManagerOptions(
+        tiers=[RamTier(every=every, keep=2, path=ram)]))
+    try:
+        yield mngr
+    finally:
+        mngr.close()
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+def pointers(x: jax.Array) -> set[int]:
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+def host(state: dict) -> dict:
+    return {k: np.asarray(v) for k, v in state.items()}
+
+
+def ready_reserve(full: Mesh, small: Mesh) -> StateReserve:
+    r = StateReserve(True)
+    r.note(abstract_on(full), True)
+    r.start(lambda: [small])
+    assert r.wait(60)
+    return r
+
+
+def test_restore_lands_in_the_reserve_and_the_next_step_donates_it(meshes):
+    full, small = meshes
+    r = ready_reserve(full, small)
+    spare = r._spares[next(iter(r._spares))].result()
+    spare_ptrs = [pointers(b) for b in spare.buffers]
+    with manager(every=1) as mngr:
+        state = step_on(full)(init(full))
+        mngr.save(1, args=standard_save(state))
+        mngr.wait_until_finished()
+        want = host(state)
+        restored = mngr.restore(1, args=standard_restore(abstract_on(small)))
+        got = r.take(restored, small)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg=k)
+        assert got[k].sharding == abstract_on(small)[k].sharding
+    assert [pointers(got["emb"]), pointers(got["mom"])] == spare_ptrs
+    before = pointers(got["emb"])
+    after = step_on(small)(got)
+    assert pointers(after["emb"]) == before  # donated: the step wrote in place
+    assert r.take(restored, small) is restored  # used once
+
+
+def test_a_state_that_does_not_fit_is_left_as_it_is(meshes):
+    full, small = meshes
+    r = ready_reserve(full, small)
+    other = NamedSharding(small, P(None, "model"))
+    state = {"emb": jax.device_put(np.zeros((ROWS, COLS), np.uint32), other),
+             "mom": jax.device_put(np.zeros((ROWS, COLS), np.uint32), other),
+             "count": jnp.uint32(0)}
+    assert r.take(state, small) is state
+    assert r.take(state, full) is state  # no reserve for that mesh
+
+
+def test_disabled_or_off_cpu_targets_build_nothing(meshes):
+    full, small = meshes
+    r = StateReserve(False)
+    r.note(abstract_on(full), True)
+    r.start(lambda: [small])
+    assert not r.wait(0)
+    assert retarget({"x": jax.ShapeDtypeStruct((4,), jnp.float32)}, small) is not None
+
+
+def test_elastic_with_reserve_recovers_to_the_same_state(meshes):
+    full, small = meshes
+    total, fail_at = 12, 8
+    want = init(full)
+    for _ in range(total):
+        want = step_on(full)(want)
+    want = host(want)
+    faults = FaultInjector([DeviceFault(fail_at, (4, 5, 6, 7))])
+    with manager(every=2) as mngr:
+        el = Elastic(mngr, full, health_check=faults.health_check, reserve=True,
+                     build=lambda m: (step_on(m), abstract_on(m)))
+
+        @el.run
+        def train(mesh):
+            step_fn, abstract = el.program(mesh)
+            step_fn = faults.wrap(step_fn)
+            state, start = el.restore(abstract, lambda: init(mesh))
+            for step in range(start + 1, total + 1):
+                if step == fail_at and mesh == full:
+                    assert el.reserve.wait(60)
+                    taken.append(True)
+                state = step_fn(step, state)
+                el.save(step, state)
+            return state
+
+        taken: list[bool] = []
+        got = host(train())
+    assert taken == [True]
+    assert el.timeline[0].kind == "failure" and el.timeline[0].restored_step == 6
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -1,0 +1,216 @@
+"""Survivors of a lost process go on in-process (issue #11, item 4).
+
+A real job of 2 or 4 processes (jax.distributed on 127.0.0.1, the harness of
+tests/_multihost.py) with jax's recoverability settings trains a
+deterministic model under the elastic loop, saving every step to each host's
+own RAM tier and every 3rd to a tier every host sees. One process other than
+0 (the coordinator, without which the others abort) stalls in a step and is
+SIGKILLed by the test. The survivors must each get the failure naming its
+devices, agree on the step, rebuild the mesh from their devices, restore (own
+RAM first, the lost share from the shared tier), train to the end, and hold
+exactly the state a replay of every step gives; the saves made after the loss
+carry the survivors' own manifests and restore again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+from _multihost import describe, start_job, step_dirs
+
+WORKER = r'''
+import os, sys, time, functools, argparse
+import mh
+ctx = mh.init(sys.argv)
+p = argparse.ArgumentParser()
+p.add_argument("--victim", type=int)
+p.add_argument("--die-at", type=int)
+p.add_argument("--total", type=int)
+p.add_argument("--stall", default="step", choices=["step", "save"])
+opt = p.parse_args(ctx.extra)
+
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import resilient_ckpt as rc
+from resilient_ckpt.elastic import Elastic, RecoveryPolicy, shrink_data_axis
+
+ROWS, COLS = 48, 16  # rows divide by 4, 3 and 2 data rows
+SPECS = {"w": P("data", "model"), "b": P(None, "model"), "step": P()}
+
+
+def host_init():
+    i = np.arange(ROWS * COLS, dtype=np.int64)
+    return {"w": (i * 2654435761 % 1000003).astype(np.int32).reshape(ROWS, COLS),
+            "b": (i % 1024).astype(np.float32).reshape(ROWS, COLS) / 8,
+            "step": np.zeros((), np.int32)}
+
+
+def host_step(st, s):  # the replay: wrapping int32, exact float32 scaling
+    with np.errstate(over="ignore"):
+        total = st["w"].sum(dtype=np.int32)
+        w = st["w"] * np.int32(3) + total + np.int32(s)
+    return {"w": w, "b": st["b"] * np.float32(0.5) + np.float32(s), "step": st["step"] + 1}
+
+
+def replay(n):
+    st = host_init()
+    for s in range(1, n + 1):
+        st = host_step(st, s)
+    return st
+
+
+def mismatches(state, n):
+    want, bad = replay(n), []
+    for k, x in state.items():
+        for sh in x.addressable_shards:
+            if not np.array_equal(np.asarray(sh.data), want[k][sh.index]):
+                bad.append(f"{k}{sh.index}")
+    return bad
+
+
+def jax_step(st, s):  # the sum is an all-reduce across every process
+    return {"w": st["w"] * 3 + jnp.sum(st["w"]) + s, "b": st["b"] * 0.5 + s.astype(jnp.float32),
+            "step": st["step"] + 1}
+
+
+mngr = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
+    tiers=[rc.RamTier(path=ctx.ram, every=1, keep=3), rc.LocalTier(path=ctx.dir, every=3, keep=2)],
+    agreement_timeout_s=8))
+el = Elastic(mngr, ctx.mesh, rescale_every_s=1e9,
+             choose_mesh=functools.partial(shrink_data_axis, divisor=False),
+             retry=RecoveryPolicy(max_attempts=2, max_wait_s=30))
+
+
+def stall(where, s):
+    if ctx.pid == opt.victim and s == opt.die_at and opt.stall == where:
+        mh.mark("dying")
+        time.sleep(600)
+
+
+@el.run
+def train(mesh):
+    sh = {k: NamedSharding(mesh, v) for k, v in SPECS.items()}
+    init = host_init()
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in init.items()}
+    step_fn = jax.jit(jax_step, out_shardings=sh)
+    state, start = el.restore(abstract, lambda: {
+        k: jax.make_array_from_callback(v.shape, sh[k], lambda i, v=v: v[i])
+        for k, v in init.items()})
+    if el.timeline:
+        mh.report({"restored": start, "bytes": mngr.last_restore.bytes_by_tier,
+                   "mesh": dict(mesh.shape), "exact": mismatches(state, start)})
+    for s in range(start + 1, opt.total + 1):
+        stall("step", s)
+        state = el.step(step_fn, state, jnp.int32(s))
+        stall("save", s)
+        el.save(s, state)
+    return state
+
+
+final = train()
+mngr.wait_until_finished()
+bad = mismatches(final, opt.total)
+import orbax.checkpoint as ocp
+again = mngr.restore(None, args=ocp.args.StandardRestore(
+    {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in final.items()}))
+mh.report({"done": True, "exact": bad, "events": el.events,
+           "latest": mngr.latest_step(), "again": mngr.last_restore.step,
+           "again_exact": mismatches(again, mngr.last_restore.step)})
+mngr.wait_until_finished()  # every survivor has reported before any exits
+if ctx.pid == 0:
+    time.sleep(2)  # the others exit first: without process 0 they would abort
+os._exit(0)
+'''
+
+ENV = {"JAX_ENABLE_RECOVERABILITY": "true",
+       "XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"}
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                            prefix="rc-survivors-")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    try:
+        yield {"ram": os.path.join(base, "ram{pid}"), "dir": str(shared)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _manifests(path: str, step: int) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(path, str(step)))
+                  if n.startswith("manifest."))
+
+
+@pytest.mark.parametrize("nprocs,devices,victim,stall", [
+    (2, 4, 1, "step"), (4, 2, 2, "step"), (4, 2, 1, "save")],
+    ids=["2proc", "4proc", "4proc-between-steps"])
+def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
+    die_at, total = 8, 11
+    job = start_job(WORKER, nprocs, devices, args=[
+        "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", str(victim),
+        "--die-at", str(die_at), "--total", str(total), "--stall", stall],
+        timeout_s=110, env=ENV, fail_fast_s=20)
+    job.kill_after(victim, 0.5, after="dying")
+    results = job.collect()
+    why = describe(results)
+    assert results[victim].killed, why
+    alive = [r for r in results if r.index != victim]
+    for r in alive:
+        assert r.rc == 0 and not r.reaped, why
+        restored, done = r.last("restored"), r.last("done")
+        assert restored and done, why
+        # Step 6 is the newest with the lost share on the shared tier (every 3rd);
+        # each survivor read its own part from its own RAM tier first.
+        assert restored["restored"] == 6, why
+        assert restored["exact"] == [] and done["exact"] == [], why
+        assert restored["bytes"].get("local", 0) > 0, why
+        assert restored["bytes"].get("ram", 0) > 0, why
+        assert restored["mesh"] == {"data": 2 if nprocs == 2 else 3, "model": 2}, why
+        [ev] = done["events"]
+        lost = set(ev["lost_devices"])
+        assert len(lost) == devices and ev["lost_from"] == "failure", ev
+        assert ev["restored_step"] == 6 and ev["outcome"] == "resumed", ev
+        # Saves after the loss are the survivors': they restore again, exactly.
+        assert done["latest"] == total and done["again"] == total, why
+        assert done["again_exact"] == [], why
+    assert all(r.last("done")["events"][0]["lost_devices"] ==
+               alive[0].last("done")["events"][0]["lost_devices"] for r in alive)
+    # The shared tier: step 6 by the whole job, step 9 by the survivors only.
+    n = nprocs - 1
+    assert _manifests(hosts["dir"], 6) == [f"manifest.{i}-of-{nprocs}.json"
+                                          for i in range(nprocs)]
+    assert _manifests(hosts["dir"], 9) == [f"manifest.{i}-of-{n}.json" for i in range(n)]
+    assert 9 in step_dirs(hosts["dir"])
+    json.dumps(alive[0].last("done"))  # the events are plain data
+
+
+# ---------------------------------------------------------------- the pure parts, one process
+
+def test_a_mesh_for_the_survivors_keeps_every_whole_row(mesh):
+    from resilient_ckpt.elastic import shrink_data_axis
+    d = list(mesh.devices.flat)
+    left = set(d) - {d[4], d[5]}                       # data row 2 lost: 3 rows left
+    assert shrink_data_axis(left, mesh).shape["data"] == 2            # divides 4
+    kept = shrink_data_axis(left, mesh, divisor=False)
+    assert kept.shape == {"data": 3, "model": 2}
+    assert [x.id for x in kept.devices.flat] == [x.id for x in d if x in left]
+
+
+def test_survivors_checks_and_the_managers_labels(mesh):
+    from resilient_ckpt.agree import Peers
+    from resilient_ckpt.elastic import survivors
+    assert survivors.mesh_problem(mesh, [0]) is None
+    assert "process 0" in survivors.mesh_problem(mesh, [1, 2])
+    assert "[1]" in survivors.mesh_problem(mesh, [0, 1])   # process 1 has no device in it
+    assert survivors.live_after({0, 1}, [0]) == [0]      # one process: never lost
+    peers = Peers("/some/dir")
+    assert (peers.rank, peers.size, peers.many) == (0, 1, False)
+    with pytest.raises(ValueError, match="must include this process"):
+        peers.set_live([1])
+    with pytest.raises(TypeError, match="set_live_processes"):
+        survivors.tell_manager(object(), [0])
