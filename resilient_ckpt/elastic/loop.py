@@ -114,15 +114,12 @@ class Elastic:
         if data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}; pass data_axis= one of {mesh.axis_names}")
-        self.manager = manager
-        self.full_mesh = mesh
-        self.mesh = mesh
+        self.manager, self.full_mesh, self.mesh = manager, mesh, mesh
         self.retry = retry
         self._data_axis = data_axis
         self._choose = choose_mesh or functools.partial(shrink_data_axis, data_axis=data_axis)
         self._programs = Programs(build, precompile) if build is not None else None
-        if health_check is None:
-            health_check = HealthCheck()
+        health_check = HealthCheck() if health_check is None else health_check
         if isinstance(health_check, HealthCheck):  # compile now, not when recovering
             health_check.prepare(survivors.own(mesh.devices.flat))
         if survivors.multi():  # only this process's devices can be probed from here

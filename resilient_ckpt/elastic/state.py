@@ -184,7 +184,8 @@ class StateReserve:
                 del self._spares[k]  # failed, or its buffers were on lost devices
             if self._spares:
                 return
-            todo = [(m, retarget(self._abstract, m), cf.Future()) for m in meshes()]
+            todo: list[tuple[Mesh, Any, cf.Future]] = [
+                (m, retarget(self._abstract, m), cf.Future()) for m in meshes()]
             todo = [t for t in todo if t[1] is not None]
             for m, _, fut in todo:
                 self._spares[mesh_key(m)] = fut
