@@ -343,7 +343,8 @@ def kill_campaign(trials: int) -> dict:
     return run
 
 
-def fault_files(timeout: float) -> list[dict]:
+def fault_files(timeout: float, long: bool) -> list[dict]:
+    """Runs the other fault test files; `long`: at their long-run sizes (RC_LONG=1)."""
     out = []
     for name in FAULT_FILES:
         path = os.path.join(ROOT, "tests", name)
@@ -351,7 +352,7 @@ def fault_files(timeout: float) -> list[dict]:
             out.append({"file": f"tests/{name}", "missing": True})
             log.warning("tests/%s does not exist (yet); skipped", name)
             continue
-        r = pytest_file(path, {}, timeout)
+        r = pytest_file(path, {"RC_LONG": "1"} if long else {}, timeout)
         out.append(r)
         emit({"bench": BENCH, "system": "resilient_ckpt", "case": f"tests_{name[:-3]}",
               **{k: v for k, v in r.items() if k != "tail"}})
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     kill = kill_campaign(trials) if "kill" not in skip else {}
     results = gcs_matrix(a.repeats, nbytes, a.hang_s) if "gcs" not in skip else {}
     rows = matrix_lines(results, a.repeats, nbytes) if results else {}
-    files = fault_files(1800.0) if "tests" not in skip else []
+    files = fault_files(1800.0, not a.quick) if "tests" not in skip else []
     goals = {f"clean_or_within_3x_fraction_{who}_{int(r * 100)}pct": (">=", 1.0)
              for who in ("gcs", "ram_gcs") for r in RATES[1:]}
     goals.update({f"kill_{c}": ("<=", 0) for c in ("torn", "wrong", "lost", "dirty")})

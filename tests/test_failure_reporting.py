@@ -258,11 +258,15 @@ def test_a_gcs_outage_never_makes_save_wait(gcs, url, mesh):
         save(m, mesh, 0)
         m.wait_until_finished()
         proxy.set(fraction=1.0)  # GCS refuses every request
+        before = proxy.faulted["503"]
         for s in (1, 2, 3, 4):
             t = threading.Thread(target=save, args=(m, mesh, s))
             t.start()
             t.join(HANG / 2)
             assert not t.is_alive(), f"save({s}) waited for GCS"
+            deadline = time.monotonic() + HANG
+            while s == 1 and proxy.faulted["503"] == before and time.monotonic() < deadline:
+                time.sleep(0.01)  # step 1's write is running (not queued) before step 2
         # All four returned while step 1's write was still failing against GCS.
         assert m.is_saving_in_progress() and proxy.faulted["503"] > 0
         assert committed_on_server(gcs, url) == {0}

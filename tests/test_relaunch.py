@@ -65,10 +65,14 @@ def test_a_failed_process_ends_its_peers_and_the_set_is_relaunched(tmp_path):
     assert rec.relaunched_t is not None and rec.first_step == 1
     launches = sup.reports()
     assert len(launches) == 2
+    # In the first launch a peer may be ended before it reported (process 1
+    # exits at once); the relaunched set runs to its end.
     for reps in launches:
-        assert [r[0]["pid"] for r in reps] == [0, 1, 2]
-        assert {r[0]["n"] for r in reps} == {3}
-        assert len({r[0]["coordinator"] for r in reps}) == 1
+        assert len(reps) == 3
+        assert [r[0]["pid"] for r in reps if r] == [q for q, r in enumerate(reps) if r]
+        assert {r[0]["n"] for r in reps if r} == {3}
+        assert len({r[0]["coordinator"] for r in reps if r}) == 1
+    assert all(launches[1]), launches[1]
     assert [p.returncode for p in sup.launches[0].procs] == [-15, 3, -15]
 
 

@@ -49,6 +49,19 @@ class Step:
     keys: list[str]
     bad: dict[str, set[str]]  # tier -> chunks whose copy there is damaged
     torn: set[str]  # tiers whose manifest is damaged
+    # (tier, file) -> byte offsets flipped an odd number of times: flipping a
+    # byte twice restores it, so a file is damaged while this set is not empty
+    flips: dict[tuple[str, str], set[int]] = dataclasses.field(default_factory=dict)
+
+    def flip(self, tier: str, name: str, at: int, manifest: bool) -> None:
+        odd = self.flips.setdefault((tier, name), set())
+        odd ^= {at}
+        damaged = self.torn if manifest else self.bad[tier]
+        key = tier if manifest else name
+        if odd:
+            damaged.add(key)
+        else:
+            damaged.discard(key)
 
     def restorable(self) -> bool:
         return all(any(t not in self.torn and k not in self.bad[t] for t in TIERS)
@@ -128,12 +141,11 @@ class Checkpoints(RuleBasedStateMachine):
         m = self.model[step]
         if what < 0:
             name, at = layout.manifest_name(0, 1), 0
-            m.torn.add(tier)
         else:
             name = sorted(m.keys)[what % len(m.keys)]
             at = data.draw(st.integers(0, os.path.getsize(os.path.join(
                 self._dir(tier, step), name)) - 1))
-            m.bad[tier].add(name)
+        m.flip(tier, name, at, manifest=what < 0)
         _flip(os.path.join(self._dir(tier, step), name), at)
         self.m.reload()  # the manager sees the damage as a reader opening now would
 
