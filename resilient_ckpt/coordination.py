@@ -33,6 +33,7 @@ from .catalog import Catalog
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DirectoryInUseError,
     SaveFailedError,
     StepNotFoundError,
     StorageError,
@@ -101,13 +102,24 @@ class Coordinator:
         self._started.clear()
         self.refresh("a change of the live processes")
 
-    def start_save(self, step: int) -> str:
-        """The id of a save of `step`, the same on every process; earlier
-        failures are raised by `raise_failures`, after the save started."""
+    def start_save(self, step: int, in_use: DirectoryInUseError | None = None) -> str:
+        """The id of a save of `step`, the same on every process (earlier failures:
+        `raise_failures`). `in_use`, a writer-lock refusal anywhere, raises everywhere."""
         if not self.peers.many:
+            if in_use is not None:
+                raise in_use
             return uuid.uuid4().hex
-        views = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex},
+        views = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex,
+                                                     "in_use": in_use and str(in_use)},
                             hold=True)
+        refused = [(self.peers.live[q], v["in_use"]) for q, v in enumerate(views)
+                   if v.get("in_use")]
+        if refused:
+            if in_use is not None:
+                raise in_use
+            q, msg = refused[0]
+            raise DirectoryInUseError(f"process {q} of the job could not lock "
+                                      f"{self._directory} for writing: {msg}")
         self._saver.run_retention()
         self._started.add(step)
         return str(views[0]["save_id"])

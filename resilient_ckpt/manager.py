@@ -179,9 +179,9 @@ class CheckpointManager:
                 f"step {step} already exists in {self._directory}; delete it first "
                 "or save another step")
         due = self._due_tiers(step) if not force else list(self._saver.tiers)
-        self._writer_lock.hold([(t.name, t.storage) for t in self._saver.tiers],
-                               self.catalog.peers.index)
-        save_id = self._coord.start_save(step)
+        in_use = self._writer_lock.try_hold([(t.name, t.storage) for t in self._saver.tiers],
+                                            self.catalog.peers.index)
+        save_id = self._coord.start_save(step, in_use)
         self.save_records.append(
             self._saver.start(step, due, item_list, metrics, custom_metadata, save_id))
         if not self._options.enable_async_checkpointing:

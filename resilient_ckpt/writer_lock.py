@@ -56,6 +56,17 @@ class WriterLock:
             raise
         self._fds, self.held = fds, True
 
+    def try_hold(self, tiers: Sequence[tuple[str, Storage]], process_index: int
+                 ) -> DirectoryInUseError | None:
+        """`hold`, returning the refusal instead of raising it: with several
+        processes it is handed to every process at the save's agreement, so
+        all raise it together instead of waiting for the one that stopped."""
+        try:
+            self.hold(tiers, process_index)
+        except DirectoryInUseError as e:
+            return e
+        return None
+
     def _lock(self, tier: str, root: str) -> int | None:
         path = os.path.join(root, layout.WRITER_LOCK)
         try:

@@ -491,3 +491,46 @@ def test_a_peer_that_does_not_answer_is_named_not_a_hang(hosts):
     assert got is not None, res[0].tail()
     assert got["raised"] and "process 1 of 2" in got["raised"] and "reload" in got["raised"], got
     assert got["timeout_error"] and 2.5 < got["after_s"] < 15, got
+
+
+LOCKED = r'''
+import sys, time
+import mh
+ctx = mh.init(sys.argv)
+
+
+def run(ctx):
+    import orbax.checkpoint as ocp
+    import resilient_ckpt as rc
+    tiers = [rc.RamTier(path=ctx.ram, every=1, keep=2), rc.LocalTier(path=ctx.dir)]
+    mngr = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
+        tiers=tiers, agreement_timeout_s=30))
+    t0 = time.monotonic()
+    try:
+        mngr.save(1, args=ocp.args.StandardSave(ctx.initial_state()))
+        mh.report({"pid": ctx.pid, "raised": None})
+    except rc.DirectoryInUseError as e:
+        mh.report({"pid": ctx.pid, "raised": str(e), "after_s": time.monotonic() - t0})
+mh.main(run, ctx)
+'''
+
+
+def test_a_directory_locked_by_another_writer_is_refused_on_every_process(hosts):
+    """Another live writer holds the shared tier's lock: process 0 cannot take
+    it, and every process raises DirectoryInUseError at the first save (the
+    save's agreement carries the refusal) instead of one raising and the
+    other waiting for an agreement timeout."""
+    import fcntl
+    fd = os.open(os.path.join(hosts["dir"], ".rc-writer.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"host test pid %d" % os.getpid())
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        res = run_job(LOCKED, 2, 2, common(hosts), timeout_s=JOB_S)
+    finally:
+        os.close(fd)
+    got = [r.last("pid") for r in res]
+    assert all(g is not None for g in got), [r.tail() for r in res]
+    assert all(g["raised"] and hosts["dir"] in g["raised"] for g in got), got
+    assert "process 0 of the job" in got[1]["raised"], got
+    assert all(g["after_s"] < 25 for g in got), got  # not the 30 s agreement timeout
+    assert not os.path.exists(os.path.join(hosts["dir"], "1")), "nothing was written"
