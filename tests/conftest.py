@@ -1,11 +1,13 @@
 """Fixtures several test modules share: the 8-device mesh, a RAM-tier
-directory under /dev/shm, and a fake-gcs-server on 127.0.0.1."""
+directory under /dev/shm, a fake-gcs-server on 127.0.0.1, and a fresh
+bucket's gs:// URL on it."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import shutil
 import tempfile
+import uuid
 
 import jax
 import numpy as np
@@ -32,3 +34,11 @@ def gcs():
     from resilient_ckpt.testing.fake_gcs import FakeGcs
     with FakeGcs() as g:
         yield g
+
+
+@pytest.fixture
+def url(gcs):
+    """gs://<a new bucket>/run on the module's fake-gcs-server."""
+    name = "t-" + uuid.uuid4().hex[:12]
+    gcs.create_bucket(name)
+    return f"gs://{name}/run"

@@ -9,7 +9,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -36,13 +35,6 @@ HANG = 120  # seconds: only to detect a hang, never a speed assertion
 FAST = RetryPolicy(deadline_s=20, attempt_timeout_s=5, initial_s=0.01, max_delay_s=0.05)
 # A hung request waits for the proxy (attempt_timeout_s); a refused one fails in 0.5 s.
 SHORT = RetryPolicy(deadline_s=0.5, attempt_timeout_s=30, initial_s=0.01, max_delay_s=0.05)
-
-
-@pytest.fixture
-def url(gcs):
-    name = "t-" + uuid.uuid4().hex[:12]
-    gcs.create_bucket(name)
-    return f"gs://{name}/run"
 
 
 def make_state(mesh, seed):

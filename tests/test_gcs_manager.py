@@ -6,7 +6,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import threading
 import time
-import uuid
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +30,6 @@ from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 
 FAST = RetryPolicy(deadline_s=20, attempt_timeout_s=5, initial_s=0.01, max_delay_s=0.05)
-
-
-@pytest.fixture
-def url(gcs):
-    name = "t-" + uuid.uuid4().hex[:12]
-    gcs.create_bucket(name)
-    return f"gs://{name}/run"
 
 
 def make_state(mesh, seed):
