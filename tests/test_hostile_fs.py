@@ -19,7 +19,6 @@ import hashlib
 import logging
 import shutil
 import stat
-import tempfile
 import threading
 
 import jax
@@ -88,12 +87,9 @@ def chunk_keys(step_dir: str) -> list[str]:
 
 
 @pytest.fixture
-def tiers(tmp_path):
-    ram = tempfile.mkdtemp(prefix="rc-hostile-", dir="/dev/shm")
-    try:
-        yield ram, str(tmp_path / "local")
-    finally:
-        shutil.rmtree(ram, ignore_errors=True)
+def tiers(ram_path, tmp_path):
+    """A RAM-tier directory (conftest's, under /dev/shm) and a local one."""
+    return ram_path, str(tmp_path / "local")
 
 
 # --------------------------------------------------------------- links

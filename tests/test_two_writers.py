@@ -18,10 +18,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import gc
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 
@@ -38,12 +36,9 @@ NAMING = layout.StepNaming()
 
 
 @pytest.fixture
-def dirs(tmp_path):
-    ram = tempfile.mkdtemp(prefix="rc-two-", dir="/dev/shm")
-    try:
-        yield ram, str(tmp_path / "local")
-    finally:
-        shutil.rmtree(ram, ignore_errors=True)
+def dirs(ram_path, tmp_path):
+    """A RAM-tier directory (conftest's, under /dev/shm) and a local one."""
+    return ram_path, str(tmp_path / "local")
 
 
 def save(m: rc.CheckpointManager, step: int, seed: int) -> None:
