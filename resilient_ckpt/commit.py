@@ -326,10 +326,11 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
             continue
         try:
             names = storage.list(name)
-            owners = [layout.parse_marker_name(n) or layout.parse_tmp_name(n)
-                      or _claim_writer(storage, name, n, names) for n in names]
-            live = any(w is not None and w.alive() is not False for w in owners)
             committed = any(layout.parse_manifest_name(n) for n in names)
+            owners = [layout.parse_marker_name(n) or layout.parse_tmp_name(n)
+                      or (None if committed else _claim_writer(storage, name, n))
+                      for n in names]
+            live = any(w is not None and w.alive() is not False for w in owners)
             here = 0
             for n, w in zip(names, owners, strict=True):
                 dead_own = w is not None and w.alive() is False
@@ -351,10 +352,10 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     return removed
 
 
-def _claim_writer(storage: Storage, d: str, n: str, names: list[str]) -> layout.Writer | None:
-    """The writer of claim `n` in a step directory with no manifest (a claim
-    of a committed step stays with it)."""
-    if not layout.is_claim_name(n) or any(layout.parse_manifest_name(x) for x in names):
+def _claim_writer(storage: Storage, d: str, n: str) -> layout.Writer | None:
+    """The writer of `n` if it is a claim (asked only in a step directory with
+    no manifest: a claim of a committed step stays with it)."""
+    if not layout.is_claim_name(n):
         return None
     held = read_claim(storage, f"{d}/{n}")
     return held[1] if held else None
