@@ -295,6 +295,7 @@ class Coordinator:
         return any(set(tiers) - set(again.sources.get(key, ()))
                    for key, tiers in chosen.sources.items())
 
+
 def _classify_tiers(catalog: Catalog, peers: Peers) -> None:
     """Marks a file tier that every process sees as shared; one that each
     has its own of stays per-host; anything between is an error."""
