@@ -35,6 +35,12 @@ survivor's RAM (host 1's share from its replica) plus the shared tier, against
 Orbax's emergency CheckpointManager in the same job; timed from the SIGKILL
 to the first step done after the restore.
 
+Then the multi-controller cases of bench/_multicontroller.py, at --mc-size:
+"survivors" (a 2-process job loses host 1, process 0 goes on in-process,
+against every process relaunched with Orbax's emergency manager) and
+"goodput_mc" (a host lost every --fail-every steps: ours in-process, ours
+relaunched, Orbax's emergency manager relaunched).
+
 Then one goodput run: --goodput-steps steps with devices 4-7 failing every
 --fail-every steps and coming back --fail-every/2 steps later; goodput = time
 on steps that are kept / wall time (a kept step counts for the median step time
@@ -46,6 +52,7 @@ Output (docs/bench_contract.md): JSON lines on stdout, the summary last; logs on
     python bench/recovery.py --quick          # 128 MB, 2 repeats; goodput 400 steps at 64 MB
     python bench/recovery.py --sizes 512MB --repeats 5 --plot docs/benchmarks_recovery.png
     python bench/recovery.py --only relaunch --relaunch-size 1GB --repeats 3
+    python bench/recovery.py --only survivors --only goodput_mc --repeats 3
 """
 from __future__ import annotations
 
@@ -83,7 +90,7 @@ GOALS = {  # summary key prefix -> (comparison, goal), from the issue
     "steps_lost_max_vs_ram_interval": ("<=", 1.0),
     "relaunch_lost_host_fraction_of_orbax_emergency": ("<=", 1.0),
 }
-CASES = ("loop", "relaunch", "goodput")
+CASES = ("loop", "relaunch", "goodput", "survivors", "goodput_mc")
 log = logging.getLogger("bench.recovery")
 
 
@@ -400,6 +407,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace-s", type=float, default=1.0,
                     help="relaunch case: seconds between SIGTERM and SIGKILL of the "
                          "survivors (default 1)")
+    ap.add_argument("--mc-size", type=size_option, default=None, metavar="SIZE",
+                    help="state size of the survivors and goodput_mc cases (default 128MB; "
+                         "--quick 8MB)")
+    ap.add_argument("--mc-step-s", type=float, default=0.25,
+                    help="survivors/goodput_mc: seconds each step sleeps, a stand-in for "
+                         "a real step's compute (default 0.25)")
+    ap.add_argument("--mc-local-every", type=int, default=50,
+                    help="goodput_mc: shared tier interval (default 50)")
+    ap.add_argument("--collective-timeout-s", type=float, default=5.0,
+                    help="survivors/goodput_mc: XLA's CPU collective timeout, after which "
+                         "the survivors of a lost process get the failure (default 5)")
+    ap.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
+                    help="survivors/goodput_mc: jax.distributed's heartbeat timeout, after "
+                         "which a lost process that was not in a collective is found "
+                         "(default 5; jax's own default is 100)")
     ap.add_argument("--only", action="append", choices=CASES, default=None,
                     help="run only these cases (repeatable; default: all)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -439,6 +461,13 @@ def main(argv: list[str] | None = None) -> int:
             import _relaunch_case
             summary.update(_relaunch_case.measure(
                 a, a.relaunch_size or (8 if a.quick else 256) * 10**6, emit, size_label))
+        mc_bytes = a.mc_size or (8 if a.quick else 128) * 10**6
+        if "survivors" in only:
+            import _multicontroller
+            summary.update(_multicontroller.measure_survivors(a, mc_bytes, emit, size_label))
+        if "goodput_mc" in only:
+            import _multicontroller
+            summary.update(_multicontroller.measure_goodput(a, mc_bytes, emit, size_label))
         if "goodput" in only:
             g = goodput(a, goodput_bytes, check)
             summary[f"goodput_{size_label(goodput_bytes)}"] = g["goodput"]

@@ -59,8 +59,11 @@ class Peers:
 
     @property
     def many(self) -> bool:
-        """Whether there are peers to exchange with (live processes besides this one)."""
-        return len(self.live) > 1
+        """Whether this is a job of several processes: what exists is decided by
+        the job's protocol (shares, agreements), also for a lone survivor, whose
+        tiers hold saves that the lost processes took part in (a save of two
+        processes is whole in the survivor's RAM when it holds every replica)."""
+        return self.count > 1
 
     @property
     def rank(self) -> int:
@@ -84,7 +87,7 @@ class Peers:
     def exchange(self, what: str, view: Any) -> list[Any]:
         """Every live process's `view` (JSON-able), in the order of `live`
         (the order of process indices); a collective."""
-        if not self.many:
+        if len(self.live) == 1:
             return [view]
         k = self._round
         self._round += 1

@@ -32,7 +32,8 @@ Worker side (`mh.py`, importable by the worker script as `import mh`):
 
 - `ctx = mh.init(sys.argv)`: parses --port/--pid/--nprocs/--devices/--dir/--ram
   (and --state-bytes, --seed, --mesh); sets XLA_FLAGS and JAX_PLATFORMS before
-  importing jax; calls `jax.distributed.initialize` when nprocs > 1; builds
+  importing jax; calls `jax.distributed.initialize` when nprocs > 1 (heartbeat
+  timeout 20 s, or $RC_HEARTBEAT_TIMEOUT_S); builds
   `Mesh(np.array(jax.devices()).reshape(-1, 2), ("data", "model"))`. Unknown
   options are left in `ctx.extra` (a list) for the script's own parser.
 - `mh.report(obj)` prints `RESULT <json>`; `mh.mark(text)` prints a marker line.
@@ -501,7 +502,8 @@ def init(argv=None):
     if a.nprocs > 1:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
                                    num_processes=a.nprocs, process_id=a.pid,
-                                   initialization_timeout=60, heartbeat_timeout_seconds=20,
+                                   initialization_timeout=60, heartbeat_timeout_seconds=int(
+                                       os.environ.get("RC_HEARTBEAT_TIMEOUT_S", "20")),
                                    shutdown_timeout_seconds=30)
     ctx = Ctx()
     ctx.args, ctx.extra = a, extra

@@ -30,6 +30,7 @@ p.add_argument("--victim", type=int)
 p.add_argument("--die-at", type=int)
 p.add_argument("--total", type=int)
 p.add_argument("--stall", default="step", choices=["step", "save"])
+p.add_argument("--axis", default="data")
 opt = p.parse_args(ctx.extra)
 
 import jax, jax.numpy as jnp, numpy as np
@@ -79,8 +80,8 @@ def jax_step(st, s):  # the sum is an all-reduce across every process
 mngr = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
     tiers=[rc.RamTier(path=ctx.ram, every=1, keep=3), rc.LocalTier(path=ctx.dir, every=3, keep=2)],
     agreement_timeout_s=8))
-el = Elastic(mngr, ctx.mesh, rescale_every_s=1e9,
-             choose_mesh=functools.partial(shrink_data_axis, divisor=False),
+el = Elastic(mngr, ctx.mesh, rescale_every_s=1e9, data_axis=opt.axis,
+             choose_mesh=functools.partial(shrink_data_axis, data_axis=opt.axis, divisor=False),
              retry=RecoveryPolicy(max_attempts=2, max_wait_s=30))
 
 
@@ -187,6 +188,31 @@ def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
     assert _manifests(hosts["dir"], 9) == [f"manifest.{i}-of-{n}.json" for i in range(n)]
     assert 9 in step_dirs(hosts["dir"])
     json.dumps(alive[0].last("done"))  # the events are plain data
+
+
+def test_a_lone_survivor_restores_the_newest_step_from_its_own_ram(hosts):
+    """One replica per process (mesh replica=2, data=2, model=2): the survivor's
+    RAM tier holds the whole state of every step, so the job's newest save
+    (made by both processes) is whole there although the other's manifest is
+    gone with it: nothing is lost, nothing comes from the shared tier."""
+    die_at, total = 8, 10
+    job = start_job(WORKER, 2, 4, args=[
+        "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", "1", "--die-at", str(die_at),
+        "--total", str(total), "--mesh", "2,2,2", "--axis", "replica"],
+        timeout_s=110, env={**ENV, "RC_HEARTBEAT_TIMEOUT_S": "5"}, fail_fast_s=20)
+    job.kill_after(1, 0.5, after="dying")
+    results = job.collect()
+    why = describe(results)
+    r = results[0]
+    assert results[1].killed and r.rc == 0 and not r.reaped, why
+    restored, done = r.last("restored"), r.last("done")
+    assert restored and done, why
+    assert restored["restored"] == die_at - 1 and restored["exact"] == [], why
+    assert set(restored["bytes"]) == {"ram"}, why
+    assert restored["mesh"] == {"replica": 1, "data": 2, "model": 2}, why
+    [ev] = done["events"]
+    assert ev["steps_lost"] == 0 and ev["outcome"] == "resumed", ev
+    assert done["exact"] == [] and done["latest"] == total and done["again_exact"] == [], why
 
 
 # ---------------------------------------------------------------- the pure parts, one process
