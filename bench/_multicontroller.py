@@ -9,10 +9,11 @@ stand-in for the compute of a real step.
   answering before step 6 and is SIGKILLed; with jax's recoverability
   settings process 0 gets the failure (a lost process that is not in a
   collective is found by jax's heartbeat, --heartbeat-timeout-s; one that is,
-  by the collective timeout, --collective-timeout-s), shrinks the replica axis and restores from its own RAM tier,
-  in-process (bench/_survivors_worker.py). Beside it, in the same repeat, the
-  baseline of issue #11: every process relaunched and restored with Orbax's
-  emergency CheckpointManager (bench/_relaunch_case.py's run). Both timed from
+  by the collective timeout, --collective-timeout-s), shrinks the replica
+  axis and restores from its own RAM tier, in-process
+  (bench/_survivors_worker.py). Beside it, in the same repeat, the baseline
+  of issue #11: every process relaunched and restored with Orbax's emergency
+  CheckpointManager (bench/_relaunch_case.py's run). Both timed from
   the SIGKILL to the first step completed after the restore.
 - "goodput_mc": a long run with a host lost every --fail-every steps, in
   three ways: ours in-process (4 processes x 2 devices; processes 3, 2, 1 are
@@ -149,7 +150,7 @@ def _goodput(steps: list[tuple[int, float]], restarts: list[float]) -> dict:
     for s, t in steps:
         last[s] = t        # a replayed step: its last completion is the kept one
     n = max(last)
-    ordinary = [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:])
+    ordinary = [t1 - t0 for (s0, t0), (s1, t1) in zip(steps, steps[1:], strict=False)
                 if s1 == s0 + 1 and not any(t0 < f < t1 for f in restarts)]
     med = statistics.median(ordinary)
     wall = last[n] - last[1]

@@ -8,6 +8,7 @@ from .commit import TierWrite
 from .elastic import (
     Elastic,
     HealthCheck,
+    HostSnapshotTier,
     ManagerLike,
     RecoveryEvent,
     RecoveryPolicy,
@@ -21,6 +22,7 @@ from .errors import (
     CorruptCheckpointError,
     DirectoryInUseError,
     ItemNotFoundError,
+    MissingDependencyError,
     RecoveryFailedError,
     SaveFailedError,
     StepAlreadyExistsError,
@@ -54,9 +56,9 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "ItemNotFoundError", "SaveFailedError",
     "StepAlreadyExistsError", "StepNotFoundError", "StorageError", "TargetMismatchError",
     "UnsupportedArgsError", "UnsupportedFormatError", "RecoveryFailedError", "AgreementError",
-    "DirectoryInUseError",
+    "DirectoryInUseError", "MissingDependencyError",
     "UnsafeDirectoryError",
     # the elastic loop
-    "Elastic", "ManagerLike", "RecoveryPolicy", "RecoveryEvent", "HealthCheck",
+    "Elastic", "ManagerLike", "RecoveryPolicy", "RecoveryEvent", "HealthCheck", "HostSnapshotTier",
     "is_recoverable", "shrink_data_axis", "format_timeline",
 ]

@@ -58,11 +58,7 @@ def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Sna
 
     def put(i: int) -> mf.ChunkRecord:
         c = snap.chunks[i]
-        rec = snap.record(i)
-        if enc.codec == "raw":
-            storage.put(f"{d}/{c.key}", c.data.data)
-            return rec
-        return transfer.store(storage, f"{d}/{c.key}", transfer.MemorySource(c.data), rec, enc)
+        return transfer.put_host(storage, f"{d}/{c.key}", c.data, snap.record(i), enc)
 
     d = naming.name(snap.step)
 
@@ -115,23 +111,37 @@ def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], job
             manifest: Callable[[dict], mf.Manifest], io: cf.Executor,
             on_commit: Callable[[mf.Manifest], None] | None, source: str | None,
             claim: Callable[[], None] | None = None) -> TierWrite:
-    """Runs the chunk jobs on `io`, then takes the step's `claim` (claim.py;
-    it raises if another save holds the step) and commits the manifest
-    create-only."""
-    t0 = time.perf_counter()
-    storage.begin_write(d)
-    committing = False
-    try:
+    """`commit_chunks`, the chunks written by the chunk jobs on `io`."""
+    def write() -> list[mf.ChunkRecord]:
         futures = [io.submit(fn, arg) for fn, arg in jobs]
-        stored, errors = {}, []
+        stored, errors = [], []
         for f in futures:
             try:
-                rec = f.result()
-                stored[rec.key] = rec
+                stored.append(f.result())
             except BaseException as e:  # noqa: BLE001 - collected and re-raised
                 errors.append(e)
         if errors:
             raise errors[0]
+        return stored
+    return commit_chunks(storage, tier, step, d, keys, write, manifest, on_commit, source,
+                         claim)
+
+
+def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str],
+                  write: Callable[[], list[mf.ChunkRecord]],
+                  manifest: Callable[[dict], mf.Manifest],
+                  on_commit: Callable[[mf.Manifest], None] | None, source: str | None,
+                  claim: Callable[[], None] | None = None) -> TierWrite:
+    """Marks `d` as being written, runs `write` (it puts the chunks named
+    `keys` and returns their records as stored), then takes the step's `claim`
+    (claim.py; it raises if another save holds the step) and commits the
+    manifest create-only. On a failure before the commit, every one of `keys`
+    is removed (none belongs to another save)."""
+    t0 = time.perf_counter()
+    storage.begin_write(d)
+    committing = False
+    try:
+        stored = {rec.key: rec for rec in write()}
         storage.flush(d)
         m = manifest(stored)
         name = layout.manifest_name(m.process_index, m.process_count)

@@ -94,3 +94,8 @@ class DirectoryInUseError(CheckpointError, RuntimeError):
     """Another live manager holds the writer lock of a tier of this directory
     (raised by the first save). The message names the directory, the tier and
     the holder."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An option needs a package or a jax feature this environment lacks. The
+    message names it, and how to install it or which option to turn off."""

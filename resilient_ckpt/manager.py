@@ -25,7 +25,7 @@ from typing import Any
 
 from etils import epath
 
-from . import args as args_lib, commit, legacy, metadata, retention
+from . import args as args_lib, colocated, commit, legacy, metadata, retention
 from .agree import Peers
 from .catalog import Catalog
 from .coordination import Coordinator
@@ -50,6 +50,8 @@ class CheckpointManager:
                  item_handlers: Any = None, logger: Any = None, handler_registry: Any = None):
         del checkpointers, metadata, item_names, item_handlers, logger, handler_registry
         self._options = o = CheckpointManagerOptions.from_any(options)
+        if o.write_on_owning_hosts:
+            colocated.require()  # before anything is opened
         self._directory = epath.Path(directory)
         remote = str(self._directory).startswith("gs://")
         if not o.create and not remote and not os.path.isdir(directory) and not o.read_only:

@@ -39,6 +39,13 @@ class CheckpointManagerOptions:
     (save, restore, reload, wait_until_finished) waits for the slowest peer
     before it raises AgreementError naming it (a restore from a slow tier on
     one host delays the others' by as much).
+    `write_on_owning_hosts`: each host that owns devices writes their shards
+    to every tier itself, through colocated Python (colocated.py,
+    docs/pathways.md), and only the chunks' sizes and checksums reach the
+    process that calls `save`, which commits the manifest; for Pathways, where
+    that process drives every host's devices. It needs cloudpickle
+    (`pip install 'resilient_ckpt[pathways]'`) and durable tiers only
+    (`LocalTier` on a file system every host mounts, `GcsTier`).
     """
 
     save_interval_steps: int = 1
@@ -62,6 +69,7 @@ class CheckpointManagerOptions:
     restore_memory_budget: int = 256 * 1024 * 1024
     progress: bool = False
     agreement_timeout_s: float = 600.0
+    write_on_owning_hosts: bool = False
 
     def __post_init__(self):
         if self.best_mode not in ("min", "max"):
@@ -71,6 +79,13 @@ class CheckpointManagerOptions:
         if self.over_budget not in ("wait", "skip"):
             raise ValueError(f"over_budget must be 'wait' or 'skip', got {self.over_budget!r}")
         object.__setattr__(self, "tiers", tuple(self.tiers))
+        if self.write_on_owning_hosts and any(isinstance(t, RamTier) for t in self.tiers):
+            raise ValueError(
+                "write_on_owning_hosts=True cannot write a RamTier: its files live in "
+                "/dev/shm of the process that calls save (under Pathways, the "
+                "controller), which is the traffic this option avoids; drop the "
+                "RamTier (an in-memory copy on the owning hosts is the elastic loop's "
+                "HostSnapshotTier), or set write_on_owning_hosts=False")
 
     @staticmethod
     def from_any(options: Any) -> CheckpointManagerOptions:
@@ -119,6 +134,7 @@ class Plan:
     naming: StepNaming
     retention: Retention
     writable: bool  # neither read-only nor asked not to create
+    on_owning_hosts: bool = False  # chunks written by the hosts owning the shards
 
 
 def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
@@ -149,4 +165,5 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
                 StepNaming(o.step_prefix, o.step_format_fixed_length),
                 Retention(o.keep_period, o.best_fn, o.best_mode,
                           o.keep_checkpoints_without_metrics),
-                writable=o.create and not o.read_only)
+                writable=o.create and not o.read_only,
+                on_owning_hosts=o.write_on_owning_hosts)

@@ -1,5 +1,6 @@
-"""The save machinery: host snapshots in flight, tier workers, upload pins,
-the host-memory budget and background errors.
+"""The save machinery: starting a save, tier workers, uploads, retention
+runs and background errors (the snapshots in flight, their pins and the
+memory budget are inflight.py's).
 
 `Saver.start` reserves budget, takes the snapshot (the only part the training
 loop waits for) and queues one job per due tier on that tier's own worker
@@ -18,15 +19,13 @@ remote write of an older step is dropped as superseded (recorded, logged)
 when a newer step is due there (an upload) or needs its memory (a write from
 the snapshot, with no faster tier).
 
-Locking: one Condition guards the budget, the jobs in flight, the flights and
-the pins; it may be held while calling into the catalog (whose own lock is
-never held across a call out), and is never held across storage I/O.
+Locking: `InFlight`'s one Condition (inflight.py) guards the budget, the
+jobs in flight, the flights and the pins; the errors have a lock of their own.
+Neither is held across storage I/O.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
-import dataclasses
 import errno
 import logging
 import threading
@@ -34,211 +33,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import commit, metadata, snapshot
+from . import colocated, commit, metadata, snapshot
 from .catalog import Catalog
 from .claim import StepClaim
 from .commit import TierWrite
 from .errors import SaveFailedError, StepNotFoundError
+from .inflight import Flight, InFlight, SaveRecord, Tier, ok
 from .manifest import Manifest
-from .options import Plan, TierPlan
+from .options import Plan
 from .storage.base import Storage
 
 log = logging.getLogger("resilient_ckpt")
-
-
-@dataclasses.dataclass
-class SaveRecord:
-    """What one save did: blocking time, bytes, and each tier's outcome."""
-
-    step: int
-    blocking_s: float = 0.0
-    snapshot_s: float = 0.0
-    waited_s: float = 0.0
-    bytes: int = 0
-    tiers: dict[str, TierWrite] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class Tier:
-    """A tier at run time: its plan, its storage, its worker and its I/O pool."""
-
-    plan: TierPlan
-    storage: Storage
-    worker: cf.ThreadPoolExecutor
-    io: cf.Executor  # chunk puts: the shared pool, or a remote tier's own
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-
-@dataclasses.dataclass
-class _Flight:
-    """A snapshot on its way to its tiers; its memory is freed when no tier
-    holds it any more (an upload lets go once it can read a tier's copy)."""
-
-    snap: snapshot.Snapshot
-    need: int
-    rec: SaveRecord
-    holders: set[str]
-    header: dict
-    claim: StepClaim  # the step's claim (claim.py), shared by its tier jobs
-    pins: dict[str, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
-
-
-class InFlight:
-    """Snapshots in flight, their tier jobs, upload pins and the memory budget.
-
-    Everything here is guarded by one Condition; `Saver` calls in from the
-    training thread and from tier workers.
-    """
-
-    def __init__(self, catalog: Catalog, budget: int | None, over_budget: str):
-        self._catalog, self._budget, self._over_budget = catalog, budget, over_budget
-        self._pool = snapshot.HostPool()
-        self._lock = threading.Condition()
-        self._held = 0
-        self._pending: dict[int, dict[str, cf.Future]] = {}
-        self._flights: dict[int, _Flight] = {}
-        self._pins: collections.Counter = collections.Counter()  # (tier, step) -> uploads
-        self.unpinned: Callable[[str], None] = lambda tier: None  # a pin on `tier` ended
-
-    @property
-    def pool(self) -> snapshot.HostPool:
-        return self._pool
-
-    def reserve(self, need: int, rec: SaveRecord, remote: list[str]) -> None:
-        """Holds `need` bytes of the host-memory budget. Over budget, first drops
-        queued older writes to the `remote` tiers this step is due on (never
-        wait for GCS); then "wait" blocks until older snapshots are written,
-        "skip" first drops the queued writes this newer step supersedes."""
-        budget = self._budget or 2 * need
-        t0 = time.perf_counter()
-        with self._lock:
-            while self._held and self._held + need > budget:
-                if any([self._supersede(name, rec.step) for name in remote]):
-                    continue
-                if self._over_budget == "skip" and self._shed(rec.step):
-                    continue
-                self._lock.wait()
-            self._held += need
-        rec.waited_s = time.perf_counter() - t0
-
-    def unreserve(self, need: int) -> None:
-        with self._lock:
-            self._held -= need
-            self._lock.notify_all()
-
-    def launch(self, flight: _Flight, tiers: list[Tier], feeds: dict[str, list[str]],
-               write: Callable, upload: Callable) -> None:
-        """Queues `flight`'s job on each tier's worker, faster tiers first
-        (uploads wait on their futures)."""
-        step = flight.snap.step
-        with self._lock:
-            jobs = self._pending.setdefault(step, {})
-            self._flights[step] = flight
-            for t in tiers:
-                if feeds.get(t.name):
-                    self._supersede(t.name, step)
-                    flight.pins[t.name] = [(n, step) for n in feeds[t.name]]
-                    self._pins.update(flight.pins[t.name])
-                    jobs[t.name] = t.worker.submit(upload, t, flight,
-                                                   [(n, jobs[n]) for n in feeds[t.name]])
-                else:
-                    jobs[t.name] = t.worker.submit(write, t, flight)
-
-    def _supersede(self, name: str, step: int) -> bool:
-        """Drops writes to remote tier `name` queued behind a running one (only
-        the newest step needs to get there); True if one was. Holds the lock."""
-        dropped = False
-        for old in sorted(self._pending):
-            fut = self._pending[old].get(name)
-            if old != step and fut is not None and fut.cancel():
-                flight = self._flights[old]
-                flight.rec.tiers[name] = TierWrite.skip(
-                    name, old, f"superseded by step {step} (the {name} tier was "
-                    "still writing an earlier step)")
-                log.warning("step %d not written to the %s tier: superseded by step %d, "
-                            "the tier is still busy with an earlier step", old, name, step)
-                self._job_done(name, flight)
-                dropped = True
-        return dropped
-
-    def _shed(self, newer: int) -> bool:
-        """Cancels the oldest queued tier write; True if one was. Holds the lock."""
-        busy = {name for jobs in self._pending.values()
-                for name, fut in jobs.items() if fut.running()}
-        for step in sorted(self._pending):
-            flight = self._flights[step]
-            for name, fut in list(self._pending[step].items()):
-                # queued behind a slow write, and holding memory that cancelling frees
-                if name in busy and name in flight.holders and fut.cancel():
-                    flight.rec.tiers[name] = TierWrite.skip(
-                        name, step, f"superseded by step {newer} (host-memory budget)")
-                    log.warning("step %d not written to the %s tier: superseded by step %d "
-                                "under the host-memory budget", step, name, newer)
-                    self._job_done(name, flight)
-                    return True
-        return False
-
-    def done(self, name: str, flight: _Flight) -> None:
-        """Tier `name` is done with `flight` (committed, failed or cancelled)."""
-        with self._lock:
-            self._job_done(name, flight)
-
-    def _job_done(self, name: str, flight: _Flight) -> None:
-        """Bookkeeping when one tier is done with a step. Holds the lock."""
-        step = flight.snap.step
-        jobs = self._pending.get(step, {})
-        jobs.pop(name, None)
-        if not jobs:
-            self._pending.pop(step, None)
-            self._flights.pop(step, None)
-        self._catalog.invalidate()
-        self._release(name, flight)
-        if _ok(flight.rec, name):
-            # An upload waiting for this tier's copy no longer needs the snapshot.
-            for up, pins in flight.pins.items():
-                if (name, step) in pins:
-                    self._release(up, flight)
-        for pin in flight.pins.pop(name, ()):
-            self._pins[pin] -= 1
-            if self._pins[pin] <= 0:
-                del self._pins[pin]
-                self.unpinned(pin[0])
-
-    def release(self, name: str, flight: _Flight) -> None:
-        with self._lock:
-            self._release(name, flight)
-
-    def _release(self, name: str, flight: _Flight) -> None:
-        """`name` no longer needs the snapshot; the last one frees it. Holds the lock."""
-        if name not in flight.holders:
-            return
-        flight.holders.discard(name)
-        if not flight.holders:
-            if flight.snap.slab is not None:
-                self._pool.give(flight.snap.slab)
-            self._held -= flight.need
-            self._lock.notify_all()
-
-    def pinned(self, tier: str) -> frozenset[int]:
-        """Steps of `tier` that an upload is reading."""
-        with self._lock:
-            return frozenset(s for (n, s) in self._pins if n == tier)
-
-    def pending(self) -> set[int]:
-        with self._lock:
-            return set(self._pending)
-
-    def jobs(self, step: int) -> dict[str, cf.Future]:
-        """`step`'s queued or running jobs, by tier."""
-        with self._lock:
-            return dict(self._pending.get(step, {}))
-
-    def all_jobs(self) -> list[cf.Future]:
-        with self._lock:
-            return [f for jobs in self._pending.values() for f in jobs.values()]
 
 
 class Saver:
@@ -246,14 +51,14 @@ class Saver:
 
     def __init__(self, plan: Plan, storages: dict[str, Storage], catalog: Catalog,
                  io_threads: int, budget: int | None, over_budget: str):
-        self._plan, self._catalog = plan, catalog
+        self._plan, self._catalog, self._io_threads = plan, catalog, io_threads
         self._io = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="rc-io")
         self.tiers = [Tier(p, storages[p.name],
                            cf.ThreadPoolExecutor(1, thread_name_prefix=f"rc-{p.name}"),
                            cf.ThreadPoolExecutor(p.own_io, thread_name_prefix=f"rc-{p.name}-io")
                            if p.own_io else self._io) for p in plan.tiers]
         self._copy = cf.ThreadPoolExecutor(2, thread_name_prefix="rc-copy")
-        self._flying = InFlight(catalog, budget, over_budget)
+        self._flying = InFlight(catalog.invalidate, budget, over_budget)
         self._flying.unpinned = self._unpinned
         self._errors: list[SaveFailedError] = []
         self._errors_lock = threading.Lock()
@@ -277,8 +82,12 @@ class Saver:
         self._flying.reserve(need, rec, [t.name for t in tiers if t.storage.remote])
         try:
             t1 = time.perf_counter()
-            snap = snapshot.take(step, save_id, records, sources, self._flying.pool,
-                                 self._copy)
+            if self._plan.on_owning_hosts:  # the devices' shards stay on their hosts
+                snap = colocated.take(step, save_id, items, records, sources,
+                                      self._flying.pool, self._copy)
+            else:
+                snap = snapshot.take(step, save_id, records, sources, self._flying.pool,
+                                     self._copy)
             rec.snapshot_s = time.perf_counter() - t1
         except BaseException:
             self._flying.unreserve(need)
@@ -288,7 +97,7 @@ class Saver:
                       process_count=peers.size, metrics=metadata.jsonable(metrics),
                       custom_metadata=metadata.jsonable(custom_metadata))
         self._catalog.note_in_flight(step, header["created"], header["metrics"])
-        flight = _Flight(snap, need, rec, {t.name for t in tiers}, header, StepClaim(
+        flight = Flight(snap, need, rec, {t.name for t in tiers}, header, StepClaim(
             step, save_id, header["process_index"], header["process_count"],
             self._plan.naming, [(t.name, t.storage) for t in tiers]))
         self._flying.launch(flight, tiers, feeds, self._write, self._upload)
@@ -298,7 +107,10 @@ class Saver:
     def _route(self, due: list[Tier]) -> tuple[list[Tier], dict[str, list[str]]]:
         """The tiers to write, fastest first, and per remote tier the faster due
         tiers it uploads from. A step due on a remote tier alone also goes to the
-        fastest tier, to upload from: the devices are read once, into the snapshot."""
+        fastest tier, to upload from: the devices are read once, into the snapshot.
+        Written on the owning hosts, each tier is written from their copy."""
+        if self._plan.on_owning_hosts:
+            return list(due), {}
         fast = [t for t in due if not t.storage.remote]
         remote = [t for t in due if t.storage.remote]
         if remote and not fast:
@@ -315,7 +127,7 @@ class Saver:
 
     # ------------------------------------------------------------ tier jobs
 
-    def _job(self, t: Tier, flight: _Flight, body: Callable[[], bool]) -> None:
+    def _job(self, t: Tier, flight: Flight, body: Callable[[], bool]) -> None:
         """Runs one tier's job for `flight`; then, unless `body` says the write
         was skipped, that tier's retention. A failed write is handed to the
         training thread; the tier lets go of the snapshot either way."""
@@ -330,10 +142,18 @@ class Saver:
         finally:
             self._flying.done(t.name, flight)
 
-    def _write(self, t: Tier, flight: _Flight) -> None:
+    def _write(self, t: Tier, flight: Flight) -> None:
         self._job(t, flight, lambda: self._write_snapshot(t, flight))
 
-    def _write_snapshot(self, t: Tier, flight: _Flight) -> bool:
+    def _write_snapshot(self, t: Tier, flight: Flight) -> bool:
+        if flight.snap.placed is not None:
+            flight.rec.tiers[t.name] = colocated.write_step(
+                t.storage, t.name, self._plan.naming, flight.snap, flight.header, t.io,
+                t.plan.config, self._plan.directory, t.plan.own_io or self._io_threads,
+                encoding=t.plan.encoding,
+                on_commit=lambda m: self._catalog.committed(t.name, t.storage, m),
+                claim=lambda: flight.claim.take(t.name, t.storage))
+            return True
         flight.rec.tiers[t.name] = commit.write_step(
             t.storage, t.name, self._plan.naming, flight.snap, flight.header, t.io,
             encoding=t.plan.encoding,
@@ -342,15 +162,15 @@ class Saver:
             claim=lambda: flight.claim.take(t.name, t.storage))
         return True
 
-    def _upload(self, t: Tier, flight: _Flight, feeds: list) -> None:
+    def _upload(self, t: Tier, flight: Flight, feeds: list) -> None:
         self._job(t, flight, lambda: self._upload_step(t, flight, feeds))
 
-    def _upload_step(self, t: Tier, flight: _Flight, feeds: list) -> bool:
+    def _upload_step(self, t: Tier, flight: Flight, feeds: list) -> bool:
         """A remote tier's job: once a faster tier has committed the step, upload
         that tier's copy; only if none did, the host snapshot. False if skipped."""
         snap, rec = flight.snap, flight.rec
         cf.wait([fut for _, fut in feeds])
-        done = [n for n, _ in feeds if _ok(rec, n)]
+        done = [n for n, _ in feeds if ok(rec, n)]
         if done:
             self._upload_copy(t, flight, done)
             return True
@@ -363,7 +183,7 @@ class Saver:
                     "from host memory", snap.step, t.name)
         return self._write_snapshot(t, flight)
 
-    def _upload_copy(self, t: Tier, flight: _Flight, done: list[str]) -> None:
+    def _upload_copy(self, t: Tier, flight: Flight, done: list[str]) -> None:
         snap = flight.snap
         self._flying.release(t.name, flight)
         ts = self._catalog.view(done[0]).get(snap.step)
@@ -480,11 +300,6 @@ class Saver:
         self._io.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flying.pool.clear()
-
-
-def _ok(rec: SaveRecord, tier: str) -> bool:
-    tw = rec.tiers.get(tier)
-    return tw is not None and tw.ok
 
 
 def _keeps_replicas(t: Tier) -> bool:

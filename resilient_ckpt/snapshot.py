@@ -86,20 +86,18 @@ class Snapshot:
     nbytes: int
     slab: mmap.mmap | None
     copy_s: float = 0.0
+    # The copy on the owning hosts, when the devices' shards stay there
+    # (colocated.py); `chunks` then holds only what the controller itself holds.
+    placed: Any = None
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def crc(self, i: int) -> int:
         """The chunk's crc32c (computing it and its block checksums once)."""
         c = self.chunks[i]
         if c.crc is None:
-            bb = block_bytes_for(c.sizes, c.itemsize)
-            whole, blocks = 0, []
-            for start in range(0, int(c.data.nbytes), bb):
-                block = c.data[start:start + bb]
-                blocks.append(google_crc32c.value(block))
-                whole = google_crc32c.extend(whole, block)
+            bb, blocks, whole = checksums(c.data, c.sizes, c.itemsize)
             with self._lock:
-                c.block_bytes, c.blocks, c.crc = (bb if blocks else 0), tuple(blocks), whole
+                c.block_bytes, c.blocks, c.crc = bb, blocks, whole
         return c.crc
 
     def record(self, i: int) -> ChunkRecord:
@@ -118,12 +116,32 @@ class Snapshot:
         for i in self.indices(primary_only):
             c = self.chunks[i]
             per_leaf.setdefault((c.item, c.leaf), []).append(self.record(i))
-        out = []
-        for ii, it in enumerate(self.items):
-            leaves = tuple(dataclasses.replace(lf, chunks=tuple(per_leaf.get((ii, li), ())))
-                           for li, lf in enumerate(it.leaves))
-            out.append(dataclasses.replace(it, leaves=leaves))
-        return tuple(out)
+        return with_chunks(self.items, per_leaf)
+
+
+def with_chunks(items: list[ItemRecord], per_leaf: dict[tuple[int, int], list[ChunkRecord]]
+                ) -> tuple[ItemRecord, ...]:
+    """Item records whose leaves hold the chunks of `per_leaf` ((item, leaf) ->
+    chunk records), none where it has no entry."""
+    out = []
+    for ii, it in enumerate(items):
+        leaves = tuple(dataclasses.replace(lf, chunks=tuple(per_leaf.get((ii, li), ())))
+                       for li, lf in enumerate(it.leaves))
+        out.append(dataclasses.replace(it, leaves=leaves))
+    return tuple(out)
+
+
+def checksums(data: np.ndarray, sizes: tuple[int, ...], itemsize: int
+              ) -> tuple[int, tuple[int, ...], int]:
+    """(block_bytes, block crc32cs, whole crc32c) of a chunk's raw bytes
+    (`data`, uint8), in blocks of whole rows (format.md, section 4)."""
+    bb = block_bytes_for(sizes, itemsize)
+    whole, blocks = 0, []
+    for start in range(0, int(data.nbytes), bb):
+        block = data[start:start + bb]
+        blocks.append(google_crc32c.value(block))
+        whole = google_crc32c.extend(whole, block)
+    return (bb if blocks else 0), tuple(blocks), whole
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -185,7 +203,7 @@ def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_inde
     return records, sources
 
 
-def _as_bytes(a: np.ndarray) -> np.ndarray:
+def as_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
@@ -210,7 +228,7 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
                                 np.dtype(src.dtype).itemsize, primary=primary))
 
     def copy(i: int) -> None:
-        np.copyto(chunks[i].data, _as_bytes(np.asarray(sources[i][4])))
+        np.copyto(chunks[i].data, as_bytes(np.asarray(sources[i][4])))
 
     order = sorted(range(len(sources)), key=lambda i: -sizes[i])
     if executor is None or len(order) < 2:

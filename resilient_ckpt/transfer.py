@@ -192,6 +192,17 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
     return dataclasses.replace(c, codec="zstd" if zstd else "raw", stored_nbytes=stored)
 
 
+def put_host(storage: Storage, key: str, data: np.ndarray, c: ChunkRecord, enc: Encoding
+             ) -> ChunkRecord:
+    """Puts chunk `c` from host memory (`data`, its raw bytes as uint8) as `key`;
+    returns its record as stored. Raw chunks go in one put, from `data` itself,
+    whatever their size."""
+    if enc.codec == "raw":
+        storage.put(key, data.data)
+        return c
+    return store(storage, key, MemorySource(data), c, enc)
+
+
 def store_first(storage: Storage, key: str, sources: Sequence[Source], c: ChunkRecord,
                 enc: Encoding) -> tuple[ChunkRecord, int]:
     """`store` from the first source whose copy reads and verifies; returns the

@@ -4,6 +4,11 @@ This package owns in-process recovery; its modules, from the loop down:
 
 - `loop`: `Elastic`, the loop itself (run, restore, save, recover, scale up);
 - `scaleup`: `ScaleUpWatcher`, when to look for returned devices and grow;
+- `hostsnap`: `HostSnapshotTier`, snapshots in the devices' own hosts' memory
+  (single controller), over `hostleaf` (a leaf's blocks and copies),
+  `hostrestore` (a leaf onto new shardings), `hostplan` (pure: records,
+  placement, budget, restore pieces) and `ondevice` (block checksums and
+  assembly on the devices);
 - `timeline`: `RecoveryEvent`, `format_timeline`, and the `Recorder` timing each event;
 - `survivors`: with several processes, the survivors of a lost one going on
   (the step guard `Elastic.step`, the lost processes, telling the manager);
@@ -18,12 +23,14 @@ This package owns in-process recovery; its modules, from the loop down:
   `failed_devices` and `fault_time`; `DeviceLossError` carries both) and the `HealthCheck`.
 """
 from .failures import DeviceLossError, HealthCheck, describe_error, is_recoverable
+from .hostsnap import HostRestore, HostSnapshotTier
 from .loop import Elastic
 from .mesh import shrink_data_axis
 from .policy import RecoveryPolicy
 from .protocol import ManagerLike
 from .timeline import RecoveryEvent, format_timeline
 
-__all__ = ["DeviceLossError", "Elastic", "HealthCheck", "ManagerLike", "RecoveryEvent",
+__all__ = ["DeviceLossError", "Elastic", "HealthCheck", "HostRestore", "HostSnapshotTier",
+           "ManagerLike", "RecoveryEvent",
            "RecoveryPolicy", "describe_error", "format_timeline", "is_recoverable",
            "shrink_data_axis"]

@@ -58,15 +58,29 @@ from ..errors import RecoveryFailedError
 from . import survivors
 from .devices import drop_arrays, wait_for_mesh
 from .failures import HealthCheck, HealthFn, is_recoverable, named_lost, warm_up
+from .hostsnap import HostSnapshotTier, for_loop, lose, restore_first, snapshot_due
 from .mesh import ChooseMesh, mesh_ids, mesh_shape, shape_str, shrink_data_axis
 from .policy import RecoveryPolicy
 from .programs import Programs, likely_meshes
 from .protocol import ManagerLike
 from .scaleup import ScaleUpWatcher
-from .state import StateReserve, check_on_mesh, reshard_live, standard_restore, standard_save
+from .state import StateReserve, check_on_mesh, reshard_live, restore_latest, standard_save
 from .timeline import Recorder, RecoveryEvent, no_loss_advice
 
 log = logging.getLogger("resilient_ckpt.elastic")
+
+
+def _gave_up(manager: ManagerLike, ev: RecoveryEvent, why: str, attempts: str,
+             advice: str | None) -> RecoveryFailedError:
+    if advice is None:
+        advice = ("Check the devices (the health check errors above), then relaunch the "
+                  "job, which resumes from that step; or allow more with "
+                  "RecoveryPolicy(max_attempts=, max_wait_s=).")
+    return RecoveryFailedError(
+        f"elastic recovery gave up after the failure at step {ev.step}: {why}.\n"
+        f"Attempts:\n{attempts}\n"
+        f"The newest viable checkpoint is step {manager.latest_step()} in "
+        f"{manager.directory}. {advice}")
 
 
 class _Rescale(Exception):
@@ -102,6 +116,9 @@ class Elastic:
     the likeliest smaller mesh, which a restore onto it is copied into, so the
     first step after it donates them instead of filling fresh memory; costs
     one more state in host memory (`state.StateReserve`; `el.reserve.wait()`).
+
+    `host_snapshot`: a `HostSnapshotTier` (copies in the devices' own hosts'
+    memory), taken by `save` when due, restored from first after a failure.
     """
 
     def __init__(self, manager: ManagerLike, mesh: Mesh, *, data_axis: str = "data",
@@ -110,7 +127,8 @@ class Elastic:
                  health_check: HealthFn | None = None,
                  rescale_every_s: float = 60.0, clear_caches: bool = True,
                  build: Callable[[Mesh], Any] | None = None, precompile: int = 1,
-                 grow_wait_s: float = 120.0, reserve: bool = False):
+                 grow_wait_s: float = 120.0, reserve: bool = False,
+                 host_snapshot: HostSnapshotTier | None = None):
         if data_axis not in mesh.axis_names:
             raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh "
                              f"{dict(mesh.shape)}; pass data_axis= one of {mesh.axis_names}")
@@ -132,6 +150,7 @@ class Elastic:
         self._rec = Recorder()
         self._stash: tuple[int, Any] | None = None   # (save step, live state) of a scale-up
         self.reserve = StateReserve(reserve)
+        self.host_snapshot = for_loop(host_snapshot, data_axis)
         warm_up()
 
     # -------------------------------------------------------------- public
@@ -180,9 +199,10 @@ class Elastic:
                 init_step: int = 0, args: Any = None) -> tuple[Any, int]:
         """The state to (re)start from and its step, on the current mesh.
 
-        After a failure: the newest viable step, restored by the manager onto
-        `abstract` (jax.ShapeDtypeStruct leaves with shardings on the mesh `fn`
-        was given), RAM tier first. After a scale-up: the state of the save
+        After a failure: the newest viable step onto `abstract`
+        (jax.ShapeDtypeStruct leaves with shardings on the mesh `fn` was given),
+        from the host snapshot if it holds one as new, else the manager's tiers,
+        RAM tier first. After a scale-up: the state of the save
         step, resharded from the live arrays. On a first call: the newest viable
         step if there is one (a relaunched job resumes), else `init()` at
         `init_step`. `args` replaces `abstract` with an Orbax restore args object.
@@ -197,6 +217,9 @@ class Elastic:
             step, live = self._stash
             self._stash = None
             state, tiers = reshard_live(self.manager, live, abstract, args, step)
+        elif (got := restore_first(self.host_snapshot, self.manager, abstract,
+                                   self.retry.health_timeout_s)) is not None:
+            state, step, tiers = got
         elif self.manager.latest_step() is None:
             if ev is not None and ev.kind == "failure":
                 log.warning("no viable step to restore after the failure at step %d; "
@@ -206,12 +229,8 @@ class Elastic:
                                  "init given: pass init= to Elastic.restore")
             state, step, tiers = init(), init_step, {}
         else:
-            state = self.manager.restore(None, args=args if args is not None
-                                         else standard_restore(abstract))
+            state, step, tiers = restore_latest(self.manager, abstract, args)
             state = self.reserve.take(state, self.mesh)
-            rec = self.manager.last_restore
-            assert rec is not None  # the restore just made
-            step, tiers = rec.step, dict(rec.bytes_by_tier)
         self._rec.restored(step, tiers, t0)
         return state, step
 
@@ -232,6 +251,7 @@ class Elastic:
             if state is None:
                 raise ValueError("Elastic.save needs the state (or args=)")
             args = standard_save(state)
+        snapshot_due(self.host_snapshot, step, state)
         saved = self.manager.save(step, args=args, **save_kwargs)
         self._rec.saved(step)
         if self._programs is not None:
@@ -280,6 +300,7 @@ class Elastic:
             self._give_up(ev, exc, why)
         lost = set(self.full_mesh.devices.flat) - set(mesh.devices.flat)
         drop_arrays(lost, self._clear_caches)
+        lose(self.host_snapshot, ev.lost_devices)
         if self._programs is not None:
             self._programs.drop(d.id for d in lost)
         self._watch.cancel()
@@ -299,16 +320,7 @@ class Elastic:
 
     def _give_up(self, ev: RecoveryEvent, exc: Exception, why: str,
                  advice: str | None = None) -> NoReturn:
-        attempts = self._rec.give_up(ev, why)
-        if advice is None:
-            advice = ("Check the devices (the health check errors above), then relaunch the "
-                      "job, which resumes from that step; or allow more with "
-                      "RecoveryPolicy(max_attempts=, max_wait_s=).")
-        raise RecoveryFailedError(
-            f"elastic recovery gave up after the failure at step {ev.step}: {why}.\n"
-            f"Attempts:\n{attempts}\n"
-            f"The newest viable checkpoint is step {self.manager.latest_step()} in "
-            f"{self.manager.directory}. {advice}") from exc
+        raise _gave_up(self.manager, ev, why, self._rec.give_up(ev, why), advice) from exc
 
     def _scale_up(self, step: int, state: Any, recheck: bool) -> None:
         """At a save point: re-checks the returning devices (unless they were

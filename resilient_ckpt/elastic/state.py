@@ -56,6 +56,15 @@ def reshard_live(manager: ManagerLike, live: Any, abstract: Any, args: Any,
     return state, dict(rec.bytes_by_tier)
 
 
+def restore_latest(manager: ManagerLike, abstract: Any, args: Any) -> tuple[Any, int, dict]:
+    """The newest viable step restored by the manager onto `abstract` (or
+    with `args`): the state, its step and the bytes per tier."""
+    state = manager.restore(None, args=args if args is not None else standard_restore(abstract))
+    rec = manager.last_restore
+    assert rec is not None  # the restore just made
+    return state, rec.step, dict(rec.bytes_by_tier)
+
+
 def check_on_mesh(abstract: Any, mesh: Mesh) -> None:
     """Raises ValueError when a leaf of `abstract` is sharded outside `mesh`."""
     allowed = set(mesh.devices.flat)
