@@ -15,6 +15,9 @@ within each repeat so that other tenants' noise hits all alike:
   (touched buffers for the state on that mesh, which the restore is copied
   into, so the first step donates them): health check, RAM tier restore onto
   the 4-device mesh, first step;
+- resilient_ckpt / loop_host_snapshot: the same without the reserve but with
+  a HostSnapshotTier (issue #12: copies in the devices' hosts' pinned_host
+  memory, backups half the ring of data groups away), restored from first;
 - resilient_ckpt / loop_plain: the same without the reserve (the first step
   after the restore writes the state into fresh memory);
 - resilient_ckpt / loop_jit: the same without `build=` (the step is jitted and
@@ -213,11 +216,14 @@ def manager(a, tag: str):
             shutil.rmtree(d, ignore_errors=True)
 
 
-def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False) -> dict:
-    """One elastic run that fails once: the failure's RecoveryEvent, as a dict."""
+def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False,
+                  host_snapshot: bool = False) -> dict:
+    """One elastic run that fails once: the failure's RecoveryEvent, as a dict.
+    With `host_snapshot`, the loop also keeps a HostSnapshotTier (every RAM
+    interval, one kept, backups along the data axis) and restores from it."""
     import jax
 
-    from resilient_ckpt import Elastic
+    from resilient_ckpt import Elastic, HostSnapshotTier
     from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
     full, small = meshes()
     fail_at = 2 * a.ram_every + a.ram_every // 2 + 1
@@ -225,7 +231,9 @@ def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False) -> di
     with manager(a, "loop") as mngr:
         el = Elastic(mngr, full, health_check=faults.health_check,
                      build=(lambda m: build_aot(m, nbytes)) if aot else None,
-                     reserve=reserve)
+                     reserve=reserve, host_snapshot=HostSnapshotTier(
+                         every=a.ram_every, keep=1, replica_axis="data")
+                     if host_snapshot else None)
 
         @el.run
         def train(mesh):
@@ -244,6 +252,8 @@ def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False) -> di
                     if aot:
                         el.program(small)
                         el.reserve.wait()
+                    if el.host_snapshot is not None:
+                        el.host_snapshot.wait()
                     jax.block_until_ready(state)
                     mngr.wait_until_finished()
                     settle.append(time.perf_counter() - t0)
@@ -279,8 +289,9 @@ def orbax_checkpoint(a, nbytes: int) -> str:
 def measure_size(a, nbytes: int, check) -> dict:
     orbax_dir = orbax_checkpoint(a, nbytes)
     cache = tempfile.mkdtemp(prefix="rc-recovery-xla-cache-", dir=a.workdir)
-    runs: dict[str, list[dict]] = {k: [] for k in ("loop", "loop_plain", "loop_jit",
-                                                   "relaunch", "relaunch_compile_cache")}
+    runs: dict[str, list[dict]] = {k: [] for k in ("loop", "loop_host_snapshot", "loop_plain",
+                                                   "loop_jit", "relaunch",
+                                                   "relaunch_compile_cache")}
     try:
         relaunch(a, nbytes, orbax_dir, cache)  # fills the compilation cache (not timed)
         cases = list(runs)
@@ -288,7 +299,8 @@ def measure_size(a, nbytes: int, check) -> dict:
             for case in cases[r % len(cases):] + cases[:r % len(cases)]:
                 if case.startswith("loop"):
                     out = loop_recovery(a, nbytes, case != "loop_jit", check,
-                                        reserve=case == "loop")
+                                        reserve=case == "loop",
+                                        host_snapshot=case == "loop_host_snapshot")
                 else:
                     out = relaunch(a, nbytes, orbax_dir,
                                    cache if case == "relaunch_compile_cache" else None)
@@ -455,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"recovery_speedup_vs_relaunch_{label}"] = m["relaunch"] / m["loop"]
             summary[f"loop_jit_fraction_of_relaunch_{label}"] = m["loop_jit"] / m["relaunch"]
             summary[f"loop_plain_fraction_of_relaunch_{label}"] = m["loop_plain"] / m["relaunch"]
+            summary[f"host_snapshot_loop_fraction_of_relaunch_{label}"] = (
+                m["loop_host_snapshot"] / m["relaunch"])
+            summary[f"host_snapshot_vs_ram_tier_loop_{label}"] = (
+                m["loop_host_snapshot"] / m["loop"])
             # The floor: no recovery can end before one ordinary step on the new mesh.
             summary[f"one_step_fraction_of_relaunch_{label}"] = m["step"] / m["relaunch"]
         if "relaunch" in only:

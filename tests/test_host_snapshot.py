@@ -179,7 +179,7 @@ def test_checksum_on_device_matches_numpy_and_sees_one_flipped_bit(devices, dtyp
 
 def test_copies_survive_the_loss_of_any_replica_group(mesh3):
     """Each block of a leaf sharded along the replica axis gets a backup in
-    the next group; a leaf replicated along it has a copy per group and no
+    the group half the ring away (the next one of two); a leaf replicated along it has a copy per group and no
     backup; so without any one group's devices every block is still held."""
     tier = HostSnapshotTier(replica_axis="replica")
     state = put(mesh3)
@@ -280,6 +280,24 @@ def test_budget_drops_never_exceed_the_budget():
     assert hostplan.budget_drops(kept, {"a": 4, "b": 4}, 9) == [1, 2, 3]
     assert hostplan.budget_drops(kept, {"b": 10}, 9) is None
     assert hostplan.budget_drops([], {"a": 9}, 9) == []
+
+
+def test_backups_half_the_ring_away_survive_a_lost_half(devices):
+    """Four groups along the replica axis (data=4): a backup sits two groups
+    away, so losing devices 4-7 (groups 2 and 3, a block of hosts) or any two
+    adjacent groups leaves every block; losing two groups two apart does not
+    (both copies of their blocks are gone)."""
+    mesh = Mesh(np.array(devices).reshape(4, 2), ("data", "model"))
+    x = jax.device_put(np.arange(64 * 8, dtype=np.float32).reshape(64, 8),
+                       NamedSharding(mesh, P("data", "model")))
+    tier = HostSnapshotTier(replica_axis="data")
+    taken(tier, 1, {"x": x})
+    [leaf] = tier.record(1).leaves
+    assert sorted((b.primaries[0], b.backups[0]) for b in leaf.blocks) == [
+        (p, (p + 4) % 8) for p in range(8)]
+    for lost in ({4, 5, 6, 7}, {0, 1, 2, 3}, {2, 3, 4, 5}, {6, 7, 0, 1}, {2, 3}):
+        assert tier.viable([d for d in devices if d.id not in lost]) == 1, lost
+    assert tier.viable([d for d in devices if d.id not in {0, 1, 4, 5}]) is None
 
 
 def test_a_block_whose_copies_are_all_lost_makes_the_step_not_viable(mesh3):

@@ -2,8 +2,9 @@
 
 This module owns the step from a jax array to `hostplan`'s records: the
 boxes its sharding places on each device, the replica groups of its mesh
-(the devices at the same position along the replica axis, and the next
-group's device at each position: `replica_ring`), and the copies to make
+(the devices at the same position along the replica axis, and the device
+at each position in the group half the ring away, which keeps its backup:
+`replica_ring`), and the copies to make
 (`describe`). A PRNG key array is described by its key data.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .hostplan import Copy, LeafRecord
 def replica_ring(sharding: jax.sharding.Sharding, axis: str | None
           ) -> tuple[list[int], dict[int, int], dict[int, int]]:
     """(devices in mesh order, replica group of each, device at the same
-    position in the next group): one group when there is no replica axis."""
+    position in the group n // 2 further along the axis of n groups, the next
+    one when n is 2 or 3): one group when there is no replica axis."""
     if not isinstance(sharding, NamedSharding):
         devices: set[Any] = set(sharding.device_set)   # jaxlib's Device has no stubs
         ids = sorted(d.id for d in devices)
@@ -34,7 +36,9 @@ def replica_ring(sharding: jax.sharding.Sharding, axis: str | None
     if axis not in names or devs.shape[names.index(axis)] < 2:
         return order, dict.fromkeys(order, 0), {}
     ax = names.index(axis)
-    rolled = np.roll(devs, -1, axis=ax)
+    # Half the ring away: losing one group, or any contiguous half of them (a
+    # block of hosts, the usual shape of a lost slice or rack) leaves a copy.
+    rolled = np.roll(devs, -(devs.shape[ax] // 2), axis=ax)
     group = {d.id: pos[ax] for pos, d in np.ndenumerate(devs)}
     nxt: dict[int, int] = {d.id: rolled[pos].id  # type: ignore[union-attr]
                            for pos, d in np.ndenumerate(devs)}

@@ -2,8 +2,8 @@
 
 This module owns the records of a host snapshot and the decisions made over
 them, with no jax arrays and no I/O: which devices' hosts keep a copy of each
-block of a leaf (one primary per replica group, a backup in the next group
-when no other group holds the block), which snapshots are viable given the
+block of a leaf (one primary per replica group, a backup in the group
+half the ring away when no other group holds the block), which snapshots are viable given the
 copies still usable, which snapshots the memory budget and the retention drop,
 and, for a restore onto new shardings, which copy of which source block each
 target device takes (same device first, then same host) and where its
@@ -27,7 +27,7 @@ class BlockRecord:
 
     `primaries`: the devices whose host memory holds the primary copy, one
     per replica group that holds the block on its devices; `backups`: devices
-    (of the next replica group) holding a backup, for a block held by one
+    (of the group half the ring away) holding a backup, for a block held by one
     group only. `checksum`: of the block's bytes (`ondevice.checksum`), None
     until the snapshot is committed."""
 
@@ -86,7 +86,7 @@ def place_copies(device_boxes: Mapping[int, Box], order: Sequence[int],
     `device_boxes`: the box each device holds; `order`: the devices in mesh
     order (the first holder of a box in a group keeps that group's copy);
     `group_of`: each device's replica group (all 0 without a replica axis);
-    `next_of`: the device at the same mesh position in the next group (absent
+    `next_of`: the device at the same mesh position in the backup group (absent
     when there is no other group). A block held in two groups or more needs
     no backup: losing one group leaves another's copy."""
     groups: dict[Box, dict[int, int]] = {}

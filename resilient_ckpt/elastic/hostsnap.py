@@ -6,7 +6,8 @@ memory of a device that holds the state, never gathered to the controller.
 Each distinct block of a leaf is copied to the host of one device per replica
 group that holds it; a block that only one replica group holds (sharded along
 the replica axis, FSDP-style) also gets a backup on the host of the device at
-the same mesh position in the next group, so losing one group's devices leaves
+the same mesh position half the ring of groups away, so losing one group's
+devices (or any contiguous half of the groups) leaves
 a complete copy (`hostplan.place_copies`). Checksums of the blocks are
 computed on their devices (`ondevice`); only they reach the controller.
 
