@@ -411,6 +411,50 @@ def test_restore_after_losing_a_replica_group_onto_four_devices(mesh3, small, de
     assert sum(kinds.values()) == 4 * 2 * 64 + 4 * 64 + 4 * 16 + 4 * 4
 
 
+def test_restore_programs_are_compiled_ahead_and_survive_clear_caches(mesh3, small, devices):
+    """After a commit the restore's programs for `likely_meshes` are compiled
+    in the background; jax.clear_caches() (the loop's, after a failure) keeps
+    them, `lose` drops those over a lost device, and the restore onto the
+    likely mesh compiles nothing more (and still checks every block moved)."""
+    tier = HostSnapshotTier(replica_axis="replica")
+    tier.likely_meshes = lambda mesh: [small]
+    state = put(mesh3)
+    want = host(state)
+    taken(tier, 3, state)
+    assert tier.preparing is not None
+    tier.preparing.join(60)
+    prepared = {k for k in tier._programs.held() if k[0] == "assemble"}
+    assert prepared and all(set(k[1]) <= {0, 1, 2, 3} for k in prepared)
+    assert delete_buffers_on([4, 5, 6, 7]) > 0
+    tier.lose([4, 5, 6, 7])
+    jax.clear_caches()
+    assert all(not {4, 5, 6, 7} & set(k[1]) for k in tier._programs.held())
+    before = set(tier._programs.held())
+    assert prepared <= before
+    assert_state(host(tier.restore(3, abstract_of(small))), want, "restored onto 4 devices")
+    assert set(tier._programs.held()) == before
+    # A corrupted copy is still caught by the precompiled program.
+    copy = next(c for c in tier.record(3).copies() if c[0][2] == 0 and c[1] > 4)[0]
+    bad = np.asarray(tier._get(3).copies[copy]).copy()
+    bad.reshape(-1)[0] ^= 1
+    tier.corrupt(3, copy, jax.device_put(bad, SingleDeviceSharding(devices[0],
+                                                                 memory_kind="pinned_host")))
+    with pytest.raises(CorruptCheckpointError):   # its only other copy was on device 4
+        tier.restore(3, abstract_of(small))
+    assert copy in tier._get(3).bad
+
+
+def test_checksum_by_rows_is_the_direct_formula():
+    """`checksum` sums by rows of ROW words; blocks with a partial last row
+    (or none whole) give the same numbers as `checksum_np`."""
+    rng = np.random.default_rng(1)
+    for n in (1, ondevice.ROW - 1, ondevice.ROW, 3 * ondevice.ROW + 5):
+        for dtype in (np.uint32, np.uint8, np.float16):
+            a = rng.integers(0, 2**15, n).astype(dtype)
+            got = tuple(int(v) for v in np.asarray(jax.jit(ondevice.checksum)(a)))
+            assert got == ondevice.checksum_np(a), (n, dtype)
+
+
 def test_restore_onto_other_specs_and_finer_shardings(mesh3, small):
     tier = HostSnapshotTier(replica_axis="replica")
     state = put(mesh3)

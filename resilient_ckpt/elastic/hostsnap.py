@@ -21,10 +21,13 @@ enqueued on its buffers (tests/test_host_snapshot.py checks it).
 `restore` moves, for each target device, the source blocks its new box
 needs (whole: a block's checksum covers the whole block) from a surviving
 copy, preferring one on that device, then one on its host; checks them on the
-target device and assembles the target block there (`hostrestore`, leaf by
-leaf). The loop's helpers at
-the end (`for_loop`, `snapshot_due`, `restore_first`, `lose`) are what
-`Elastic` calls.
+target device and assembles the target block there (`hostrestore`: every
+leaf's moves and programs are dispatched before any checksum is waited
+for). After each commit, the programs a restore onto the likeliest smaller
+mesh (`likely_meshes`) runs are compiled in a background thread
+(`hostrestore.prepare_leaf`), so none compiles on the recovery path. The
+loop's helpers at the end (`for_loop`, `snapshot_due`, `restore_first`,
+`lose`) are what `Elastic` calls.
 """
 from __future__ import annotations
 
@@ -32,16 +35,19 @@ import copy as copy_lib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Collection, Hashable
+import time
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ..errors import CorruptCheckpointError, StepNotFoundError, TargetMismatchError
 from . import hostleaf, hostplan, hostrestore, ondevice
 from .hostplan import Copy, LeafRecord, SnapshotRecord
+from .mesh import ChooseMesh, mesh_key
+from .programs import likely_meshes
 from .protocol import ManagerLike
 
 log = logging.getLogger("resilient_ckpt.elastic")
@@ -76,6 +82,7 @@ class _Snapshot:
     record: SnapshotRecord
     copies: dict[Copy, jax.Array]
     values: dict[int, Any]
+    shardings: dict[int, tuple[Mesh, PartitionSpec]]   # of the leaves on a NamedSharding
     bad: set[Copy] = dataclasses.field(default_factory=set)
     lost: set[int] = dataclasses.field(default_factory=set)
     checks: list[tuple[int, list[int], jax.Array]] = dataclasses.field(default_factory=list)
@@ -94,6 +101,9 @@ class HostSnapshotTier:
     whose groups back each other up (None: the `Elastic` loop's data axis,
     else "data"). `host_of(device)`: the host a device's pinned_host memory
     is on (default its `process_index`; see docs/elastic.md under Pathways).
+    `likely_meshes(mesh)`: the meshes a restore of a leaf on `mesh` likely
+    goes to (the loop's next smaller one); after each commit the restore's
+    programs for them are compiled in the background (`preparing`).
     """
 
     def __init__(self, every: int = 1, keep: int = 1, budget_bytes: int | None = None,
@@ -111,6 +121,9 @@ class HostSnapshotTier:
         self._snaps: dict[int, _Snapshot] = {}
         self._pending: _Snapshot | None = None
         self._programs = ondevice.Programs()
+        self.likely_meshes: Callable[[Mesh], Sequence[Mesh]] | None = None
+        self._prepared: set[tuple] = set()
+        self.preparing: threading.Thread | None = None
         self._warned: set[str] = set()
         self.skipped: list[int] = []
         self.last_restore: HostRestore | None = None
@@ -126,9 +139,11 @@ class HostSnapshotTier:
         when the budget cannot hold it (skipped)."""
         self.wait()
         flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        leaves, todo, values = [], [], {}
+        leaves, todo, values, shardings = [], [], {}, {}
         for li, (path, x) in enumerate(flat):
             if isinstance(x, jax.Array):
+                if isinstance(x.sharding, NamedSharding) and isinstance(x.sharding.mesh, Mesh):
+                    shardings[li] = (x.sharding.mesh, x.sharding.spec)
                 leaf, copies = hostleaf.describe(li, jax.tree_util.keystr(path), x,
                                                  self.replica_axis or "data")
                 todo += copies
@@ -145,7 +160,8 @@ class HostSnapshotTier:
         pinned = jax.device_put([t[1] for t in todo],
                                 [SingleDeviceSharding(by_id[t[2]], memory_kind="pinned_host")
                                  for t in todo])
-        snap = _Snapshot(record, {t[0]: a for t, a in zip(todo, pinned, strict=True)}, values)
+        snap = _Snapshot(record, {t[0]: a for t, a in zip(todo, pinned, strict=True)}, values,
+                         shardings)
         sources = {(c[0], c[1]): src for c, src, _ in todo}
         for li, leaf in enumerate(leaves):
             by_shape: dict[tuple, list[int]] = {}
@@ -206,6 +222,7 @@ class HostSnapshotTier:
             self._pending = None
             for s in hostplan.beyond_keep(self._snaps, self.keep):
                 self._drop(s, f"retention (keep={self.keep})")
+        _start_prepare(self, snap)
 
     # ---------------------------------------------------------------- reading
 
@@ -244,6 +261,8 @@ class HostSnapshotTier:
         with self._lock:
             for snap in [*self._snaps.values(), *([self._pending] if self._pending else [])]:
                 snap.lost |= set(device_ids)
+        self._programs.drop(device_ids)
+        self._prepared.clear()
 
     def corrupt(self, step: int, copy: Copy, array: jax.Array) -> None:
         """Replaces one copy's array (tests: an injected fault of host memory)."""
@@ -264,16 +283,14 @@ class HostSnapshotTier:
                 f"host snapshot of step {step}: the restore target's leaves "
                 f"{[jax.tree_util.keystr(p) for p, _ in flat]} differ from the snapshot's "
                 f"{[leaf.path for leaf in leaves]}; pass the abstract state of the same tree")
-        usable = self._usable(snap, live)
         kinds = dict.fromkeys(hostrestore.KINDS, 0)
-        out = []
-        for li, ((_, target), leaf) in enumerate(zip(flat, leaves, strict=True)):
-            if leaf.blocks is None:
-                out.append(copy_lib.deepcopy(snap.values[li]))
-            else:
-                out.append(hostrestore.restore_leaf(
-                    snap.record.step, li, snap.record.leaves[li], snap.copies, target, usable,
-                    snap.bad, self._host_map(), self._programs, kinds))
+        arrays = [(li, leaf, target) for li, ((_, target), leaf) in enumerate(zip(
+            flat, leaves, strict=True)) if leaf.blocks is not None]
+        got = dict(zip([li for li, _, _ in arrays], hostrestore.restore_leaves(
+            step, arrays, snap.copies, self._usable(snap, live), snap.bad, self._host_map(),
+            self._programs, kinds), strict=True))
+        out = [got[li] if li in got else copy_lib.deepcopy(snap.values[li])
+               for li in range(len(leaves))]
         self.last_restore = HostRestore(step, kinds)
         return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -333,6 +350,45 @@ def _completed(snap: _Snapshot) -> SnapshotRecord:
     return SnapshotRecord(snap.record.step, leaves, complete=True)
 
 
+def _start_prepare(tier: HostSnapshotTier, snap: _Snapshot) -> None:
+    """After a commit: compiles the restore's programs for `likely_meshes` in
+    the background, once per layout of the state (in a thread of its own, so
+    the next `take` does not wait for it; not a daemon: interpreter exit
+    waits for a compile in flight rather than killing it inside XLA)."""
+    sig = tuple((li, mesh_key(m), str(p)) for li, (m, p) in snap.shardings.items())
+    if tier.likely_meshes is not None and sig not in tier._prepared:
+        tier._prepared.add(sig)
+        tier.preparing = threading.Thread(
+            target=_prepare, name="rc-hostsnap-compile",
+            args=(snap.record, snap.shardings, tier.likely_meshes, tier._programs,
+                  lambda: sig in tier._prepared))
+        tier.preparing.start()
+
+
+def _prepare(record: SnapshotRecord, shardings: dict[int, tuple[Mesh, PartitionSpec]],
+             likely: Callable[[Mesh], Sequence[Mesh]], programs: ondevice.Programs,
+             wanted: Callable[[], bool]) -> None:
+    """Compiles the programs restoring each leaf onto its spec on the meshes
+    `likely` names for its mesh, while `wanted()` (a loss since stops it). A
+    leaf that fails (say its spec does not fit a smaller mesh) is logged; its
+    restore compiles what it needs."""
+    t0, n, meshes = time.perf_counter(), 0, dict[tuple, Sequence[Mesh]]()
+    for li, (mesh, spec) in shardings.items():
+        if not wanted():
+            return
+        try:
+            if mesh_key(mesh) not in meshes:
+                meshes[mesh_key(mesh)] = likely(mesh)
+            for m in meshes[mesh_key(mesh)]:
+                n += hostrestore.prepare_leaf(li, record.leaves[li],
+                                              NamedSharding(m, spec), programs)
+        except Exception as e:  # noqa: BLE001 - only a head start: the restore compiles it
+            log.info("host snapshot: not compiling ahead the restore of leaf %s: %s",
+                     record.leaves[li].path, e)
+    log.info("host snapshot: %d restore programs compiled ahead in %.2f s", n,
+             time.perf_counter() - t0)
+
+
 def _delete(arrays: Collection[jax.Array]) -> None:
     for a in arrays:
         try:
@@ -343,10 +399,15 @@ def _delete(arrays: Collection[jax.Array]) -> None:
 
 # ------------------------------------------------------------------ the loop's calls
 
-def for_loop(tier: HostSnapshotTier | None, data_axis: str) -> HostSnapshotTier | None:
-    """`tier`, with the loop's data axis as its replica axis unless it names one."""
+def for_loop(tier: HostSnapshotTier | None, data_axis: str,
+             choose: ChooseMesh | None = None) -> HostSnapshotTier | None:
+    """`tier`, with the loop's data axis as its replica axis unless it names
+    one, and (with the loop's mesh policy `choose`) the likeliest smaller mesh
+    (one data row lost) as the one its restore programs are compiled for."""
     if tier is not None and tier.replica_axis is None:
         tier.replica_axis = data_axis
+    if tier is not None and choose is not None and tier.likely_meshes is None:
+        tier.likely_meshes = lambda mesh: likely_meshes(choose, mesh, data_axis, 1)
     return tier
 
 

@@ -150,7 +150,7 @@ class Elastic:
         self._rec = Recorder()
         self._stash: tuple[int, Any] | None = None   # (save step, live state) of a scale-up
         self.reserve = StateReserve(reserve)
-        self.host_snapshot = for_loop(host_snapshot, data_axis)
+        self.host_snapshot = for_loop(host_snapshot, data_axis, self._choose)
         warm_up()
 
     # -------------------------------------------------------------- public

@@ -19,11 +19,16 @@ This module owns the jax programs of `hostsnap`:
   device: jax compiles a program per device set, about 0.1 s each on this
   project's CPU machines, which per device would sit on the recovery path.
   `assemble` checks each block moved to a target device and places the
-  elements each target block needs from them, on that device.
+  elements each target block needs from them, on that device. They are
+  held as compiled executables, which outlive `jax.clear_caches()`, until
+  `drop` names one of their devices lost; `prepare_assemble` compiles one
+  before it is needed.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import concurrent.futures as cf
+import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -49,12 +54,27 @@ def words(x: jax.Array) -> jax.Array:
     return w.reshape(-1)
 
 
+ROW = 256   # words per row of the (rows, ROW) view `checksum` sums along both axes
+
+
 def checksum(x: jax.Array) -> jax.Array:
-    """(sum of the words, sum of word i times 2i+1), uint32, on x's device."""
-    w = words(x)
-    i = jax.lax.iota(jnp.uint32, w.size)
-    return jnp.stack([jnp.sum(w, dtype=jnp.uint32),
-                      jnp.sum(w * (i * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)])
+    """(sum of the words, sum of word i times 2i+1), uint32, on x's device.
+
+    Computed as s0 + 2 * s1, s1 the sum of word i times i: with the words
+    viewed as rows of ROW (word i = r * ROW + c), s1 = ROW * sum(r * row sum
+    r) + sum(c * column sum c), two plain sums over the block (which XLA
+    vectorizes; the iota product per word did not) and small ones; the words
+    past the last whole row are weighted one by one. The same numbers mod
+    2**32 (`checksum_np` is the direct formula)."""
+    u32, w = jnp.uint32, words(x)
+    m = w.size // ROW
+    head, tail = w[:m * ROW].reshape(m, ROW), w[m * ROW:]
+    rows, cols = jnp.sum(head, axis=1, dtype=u32), jnp.sum(head, axis=0, dtype=u32)
+    at = jax.lax.iota(u32, tail.size) + u32((m * ROW) % 2**32)
+    s0 = jnp.sum(rows, dtype=u32) + jnp.sum(tail, dtype=u32)
+    s1 = (u32(ROW) * jnp.sum(rows * jax.lax.iota(u32, m), dtype=u32)
+          + jnp.sum(cols * jax.lax.iota(u32, ROW), dtype=u32) + jnp.sum(tail * at, dtype=u32))
+    return jnp.stack([s0, u32(2) * s1 + s0])
 
 
 def checksum_np(a: Any) -> tuple[int, int]:
@@ -106,28 +126,89 @@ def is_identity(layout: tuple) -> bool:
 
 
 class Programs:
-    """The jitted programs, one per (devices, layout, dtype), kept so later
-    snapshots and restores reuse jax's compiled executables."""
+    """The compiled programs, one per (kind, devices, shapes, dtype): ahead-of-time
+    executables (`jit(...).lower(...).compile()`), which `jax.clear_caches()`
+    (the loop's, after a failure) does not drop, so a restore onto devices
+    that are still alive reuses those compiled before it (`prepare_assemble`,
+    in the background after a snapshot commits). `drop` forgets those that
+    name a lost device. Safe to use from several threads: a program being
+    compiled in one is waited for, not compiled again, by another."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        self._cache: dict[tuple, cf.Future] = {}
 
     def _mesh(self, devices: Sequence[jax.Device]) -> Mesh:
         return Mesh(np.array(list(devices)), (AXIS,))
+
+    def _get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The executable of `key`, compiled by `make()` once."""
+        with self._lock:
+            fut = self._cache.get(key)
+            mine = fut is None
+            if fut is None:
+                fut = self._cache[key] = cf.Future()
+        if not mine:
+            try:
+                return fut.result()
+            except Exception:  # noqa: BLE001 - its compile failed elsewhere: compile here, and raise here
+                return make()
+        try:
+            fut.set_result(make())
+        except BaseException as e:
+            with self._lock:
+                if self._cache.get(key) is fut:
+                    del self._cache[key]
+            fut.set_exception(e)
+            raise
+        return fut.result()
+
+    def drop(self, lost_ids: Collection[int]) -> None:
+        """Forgets the programs over a lost device (their executables name it)."""
+        lost = set(lost_ids)
+        with self._lock:
+            for key in [k for k in self._cache if lost.intersection(k[1])]:
+                del self._cache[key]
+
+    def held(self) -> list[tuple]:
+        """The keys of the programs compiled (or being compiled): (kind, device ids, ...)."""
+        with self._lock:
+            return list(self._cache)
 
     def checksums(self, arrays: Sequence[jax.Array]) -> jax.Array:
         """Per array (single-device, ndim >= 1, one shape and dtype, distinct
         devices), its `checksum`, as an (n, 2) array on those devices
         (dispatched, not waited for)."""
         devices = [next(iter(a.devices())) for a in arrays]
-        key = ("checksums", tuple(d.id for d in devices))
-        fn = self._cache.get(key)
         mesh = self._mesh(devices)
-        if fn is None:
-            fn = jax.jit(jax.shard_map(lambda x: checksum(x)[None], mesh=mesh,
-                                       in_specs=P(AXIS), out_specs=P(AXIS)))
-            self._cache[key] = fn
-        return fn(stack(arrays, mesh))
+        stacked = stack(arrays, mesh)
+        key = ("checksums", tuple(d.id for d in devices), stacked.shape, str(stacked.dtype))
+        return self._get(key, lambda: jax.jit(jax.shard_map(
+            lambda x: checksum(x)[None], mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+        ).lower(jax.ShapeDtypeStruct(stacked.shape, stacked.dtype,
+                                     sharding=stacked.sharding)).compile())(stacked)
+
+    def prepare_assemble(self, devices: Sequence[jax.Device], layout: tuple, dtype: Any) -> Any:
+        """The executable `assemble` runs for blocks of `layout` and `dtype`
+        moved to `devices` (compiled now unless it is held)."""
+        dtype = jnp.dtype(dtype)
+        mesh = self._mesh(devices)
+        key = ("assemble", tuple(d.id for d in devices), layout, str(dtype))
+
+        def make() -> Any:
+            identity = is_identity(layout)
+
+            def local(*blocks: jax.Array) -> Any:
+                checks = jnp.stack([checksum(b) for b in blocks])[None]
+                return checks if identity else (checks, _placed(layout, dtype, blocks))
+            k, sharding = len(layout[1]), NamedSharding(mesh, P(AXIS))
+            fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS),) * k,
+                                       out_specs=P(AXIS) if identity else (P(AXIS), P(AXIS)),
+                                       check_vma=False))
+            return fn.lower(*[jax.ShapeDtypeStruct((shape[0] * len(devices),) + shape[1:],
+                                                   dtype, sharding=sharding)
+                              for shape, _, _ in layout[1]]).compile()
+        return self._get(key, make)
 
     def assemble(self, moved: Sequence[Sequence[jax.Array]], layout: tuple
                  ) -> tuple[list[jax.Array] | None, jax.Array]:
@@ -136,23 +217,10 @@ class Programs:
         device (None when `layout` is the identity: the moved block is it)
         and the checksums of the moved blocks, (devices, blocks, 2)."""
         devices = [next(iter(row[0].devices())) for row in moved]
-        dtype = moved[0][0].dtype
         mesh = self._mesh(devices)
-        key = ("assemble", tuple(d.id for d in devices), layout, str(dtype))
-        fn = self._cache.get(key)
-        identity = is_identity(layout)
-        if fn is None:
-            def local(*blocks: jax.Array) -> Any:
-                checks = jnp.stack([checksum(b) for b in blocks])[None]
-                return checks if identity else (checks, _placed(layout, dtype, blocks))
-            k = len(layout[1])
-            fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS),) * k,
-                                       out_specs=P(AXIS) if identity else (P(AXIS), P(AXIS)),
-                                       check_vma=False))
-            self._cache[key] = fn
-        stacked = [stack([row[k] for row in moved], mesh) for k in range(len(layout[1]))]
-        out = fn(*stacked)
-        if identity:
+        fn = self.prepare_assemble(devices, layout, moved[0][0].dtype)
+        out = fn(*[stack([row[k] for row in moved], mesh) for k in range(len(layout[1]))])
+        if is_identity(layout):
             return None, out
         checks, placed = out
         by_device = {s.device: s.data for s in placed.addressable_shards}
