@@ -93,7 +93,8 @@ class Catalog:
     def __init__(self, tiers: Sequence[tuple[str, Storage]], naming: StepNaming,
                  directory: str, home: Storage | None, peers: Peers):
         self._tiers = list(tiers)  # (name, storage), fastest first
-        self._naming, self._directory, self._home = naming, directory, home
+        self.naming = self._naming = naming  # step directory names
+        self._directory, self._home = directory, home
         self.peers = peers
         self._job = JobView([_empty_view()])
         self._whole: dict[tuple[int, str, int], shares.Share | None] = {}

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import manifest, peer_fill
+from . import manifest, peer_fill, tierrecord
 from .agree import Peers
 from .catalog import Catalog
 from .errors import (
@@ -105,6 +105,7 @@ class Coordinator:
     def start_save(self, step: int, in_use: DirectoryInUseError | None = None) -> str:
         """The id of a save of `step`, the same on every process (earlier failures:
         `raise_failures`). `in_use`, a writer-lock refusal anywhere, raises everywhere."""
+        tierrecord.record(self._directory, self._catalog, in_use is None)  # for tools
         if not self.peers.many:
             if in_use is not None:
                 raise in_use

@@ -3,9 +3,17 @@
 Every error raised on purpose by resilient_ckpt derives from `CheckpointError`,
 and each subclass is also the builtin a caller would catch without knowing us:
 a missing step is a FileNotFoundError, a corrupt or mismatched one a ValueError,
-a storage failure an OSError. Messages say what failed, where, and what to do.
+a storage failure an OSError. Where Orbax's CheckpointManager raises a class of
+its own (`orbax.checkpoint.checkpoint_manager.StepAlreadyExistsError`, the only
+one its public API raises in 0.12.8), ours also derives from it, so `except`
+clauses written against Orbax keep working. Messages say what failed, where,
+and what to do.
 """
 from __future__ import annotations
+
+from orbax.checkpoint.checkpoint_manager import (
+    StepAlreadyExistsError as _OrbaxStepAlreadyExistsError,
+)
 
 
 class CheckpointError(Exception):
@@ -16,8 +24,9 @@ class StepNotFoundError(CheckpointError, FileNotFoundError):
     """The requested step has no committed, viable copy in any tier."""
 
 
-class StepAlreadyExistsError(CheckpointError, ValueError):
-    """A save was asked for a step that is already committed (as in Orbax)."""
+class StepAlreadyExistsError(CheckpointError, _OrbaxStepAlreadyExistsError):
+    """A save was asked for a step that is already committed (as in Orbax).
+    Also Orbax's own StepAlreadyExistsError, and so a ValueError."""
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):

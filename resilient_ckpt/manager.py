@@ -48,14 +48,11 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, checkpointers: Any = None,
                  options: Any = None, metadata: Any = None, item_names: Any = None,
                  item_handlers: Any = None, logger: Any = None, handler_registry: Any = None):
-        del checkpointers, metadata, item_names, item_handlers, logger, handler_registry
+        del checkpointers, metadata, logger, handler_registry
         self._options = o = CheckpointManagerOptions.from_any(options)
-        if o.write_on_owning_hosts:
-            colocated.require()  # before anything is opened
+        _preflight(directory, o)  # before anything is opened
         self._directory = epath.Path(directory)
-        remote = str(self._directory).startswith("gs://")
-        if not o.create and not remote and not os.path.isdir(directory) and not o.read_only:
-            raise FileNotFoundError(f"{directory} does not exist and options.create=False")
+        self._declared = args_lib.declared_items(item_names, item_handlers)
         self._plan = plan = resolve(o, str(self._directory))
         storages = {t.name: t.config.open(str(self._directory), plan.writable) for t in plan.tiers}
         home = os.path.abspath(str(self._directory))
@@ -170,7 +167,7 @@ class CheckpointManager:
 
     def _save(self, step: int, items: Any, metrics: Any, force: bool | None, args: Any,
               custom_metadata: dict | None) -> bool:
-        item_list, _ = args_lib.save_items(_orbax_args(args, items, "StandardSave"))
+        item_list, _ = args_lib.save_items(_orbax_args(args, items, "StandardSave"), self._declared)
         if self._options.read_only:
             log.warning("%s is read only; save of step %d skipped", self._directory, step)
             return False
@@ -233,7 +230,7 @@ class CheckpointManager:
             return _restore_elsewhere(directory, self._options, step, items, args)
         if args is None and items is not None:
             args = _orbax_args(args, items, "StandardRestore")
-        requests, is_composite = args_lib.restore_requests(args)
+        requests, is_composite = args_lib.restore_requests(args, self._declared)
         self._saver.wait_for_restore(step, lambda s: s in self.catalog.steps())
         self._coord.refresh("restore")
         theirs = _orbax_choice(step, self.catalog.steps(), self.catalog.orbax_steps())
@@ -244,7 +241,7 @@ class CheckpointManager:
             record, bad = RestoreRecord(chosen.step), self.catalog.bad()
             try:
                 out = restore_choice(chosen, self.catalog.storages(), self._plan.naming,
-                                     requests, is_composite, record, bad,
+                                     requests, is_composite, record, bad, self._declared,
                                      self._options.restore_memory_budget,
                                      self._options.progress, settle)
             finally:
@@ -307,6 +304,17 @@ def _due(tiers: list[Tier], o: CheckpointManagerOptions, step: int, latest: int 
     if latest is None or (o.save_on_steps and step in o.save_on_steps) or preempted():
         return list(tiers)
     return [t for t in tiers if t.plan.every and step % t.plan.every == 0]
+
+
+def _preflight(directory: Any, o: CheckpointManagerOptions) -> None:
+    """What must hold before anything is opened: colocated Python when asked
+    for; with `create=False`, the directory (a read-only manager of a missing
+    one sees no steps, as in Orbax)."""
+    if o.write_on_owning_hosts:
+        colocated.require()
+    remote = str(directory).startswith("gs://")
+    if not o.create and not remote and not os.path.isdir(directory) and not o.read_only:
+        raise FileNotFoundError(f"{directory} does not exist and options.create=False")
 
 
 def _restore_elsewhere(directory: Any, options: CheckpointManagerOptions, step: int | None,

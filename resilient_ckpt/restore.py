@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import args as args_lib, layout, metadata
-from .errors import ItemNotFoundError, TargetMismatchError
+from .errors import TargetMismatchError
 from .hostmem import host_buffer
 from .manifest import ItemRecord, LeafRecord, decode_scalar, path_str
 from .planner import plan_target
@@ -227,10 +227,12 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
 
 def restore_choice(choice: Choice, storages: Mapping[str, Storage], naming: layout.StepNaming,
                    requests: dict | None, is_composite: bool, record: RestoreRecord,
-                   bad: set, budget: int, progress: bool = False,
+                   bad: set, declared: frozenset[str] | None, budget: int,
+                   progress: bool = False,
                    settle: Callable[[dict[str, Hole]], dict[str, jax.Array]] | None = None
                    ) -> Any:
-    """Restores the items `requests` names (all, when None) of a selected step.
+    """Restores the items `requests` names (all, when None) of a selected step,
+    each one of the items `declared` (the manager's item_names) when given.
 
     Copies that fail a read are added to `bad` (the caller keeps them out of
     later selections); `progress` shows a bar of the bytes read. With `settle`
@@ -248,15 +250,13 @@ def restore_choice(choice: Choice, storages: Mapping[str, Storage], naming: layo
     try:
         m = choice.manifest
         names = [it.name for it in m.items]
+        args_lib.check_restore_items(choice.step, names, requests, declared)
         if requests is None:
             requests = {n: args_lib.RestoreRequest("any") for n in names}
             is_composite = names != [args_lib.DEFAULT_ITEM]
         out = {}
         for name, req in requests.items():
-            if name not in names:
-                raise ItemNotFoundError(f"step {choice.step} has no item {name!r} "
-                                        f"(items: {names})")
-            out[name] = _restore_item(m.item(name), req, reader, choice.step)
+            out[name] = req.finish(_restore_item(m.item(name), req, reader, choice.step))
     finally:
         reader.close()
         if bar is not None:

@@ -6,7 +6,8 @@ save of it (one save_id), every writing process has a valid manifest in some
 tier and every chunk those manifests list has a copy of its recorded size in a
 tier that holds that process's manifest, and the chunks tile every array leaf.
 Checksums are checked later, when bytes are read: a chunk that fails there is
-reported by `restore`, which excludes it and selects again.
+reported by `restore`, which excludes it and selects again. `why_not` says,
+for tools, which of these rules a step breaks.
 """
 from __future__ import annotations
 
@@ -134,3 +135,47 @@ def last_viable(observations: Mapping[int, Sequence[TierStep]], tier_order: Sequ
     choices = viable(observations, tier_order, bad)
     steps = [s for s in choices if below is None or s < below]
     return choices[max(steps)] if steps else None
+
+
+def why_not(step: int, views: Sequence[TierStep], tier_order: Sequence[str],
+            bad: frozenset = frozenset()) -> str | None:
+    """None when `step` is viable over `views`; else, in words, why its newest
+    save is not (the rules of `viable`, first broken first), for tools."""
+    if viable({step: views}, tier_order, bad):
+        return None
+    ms = [(ts, m) for ts in views for m in ts.manifests if isinstance(m, Manifest)]
+    errors = [m for ts in views for m in ts.manifests if not isinstance(m, Manifest)]
+    ours = [(ts, m) for ts, m in ms if m.step == step]
+    if not ours:
+        if errors:
+            return f"no readable manifest (torn or damaged): {errors[0]}"
+        if ms:
+            return f"its manifest is of step {ms[0][1].step}, not {step}"
+        return "no manifest"
+    _, sid = max((m.created, m.save_id) for _, m in ours)
+    save = [(ts, m) for ts, m in ours if m.save_id == sid]
+    counts = sorted({m.process_count for _, m in save})
+    if len(counts) != 1:
+        return f"save {sid[:8]}: its manifests disagree on the process count {counts}"
+    missing = sorted(set(range(counts[0])) - {m.process_index for _, m in save})
+    if missing:
+        return (f"save {sid[:8]}: no manifest of process(es) {missing} of {counts[0]} "
+                "(not every process committed)")
+    for _, m in save:
+        for _, _, c in m.chunks():
+            holders = [ts for ts, x in save if x == m]
+            if not any(has_copy(ts.sizes, ts.tier, c, bad) for ts in holders):
+                return f"save {sid[:8]}: chunk {c.key} " + _chunk_problem(holders, c, bad)
+    return (f"save {sid[:8]}: its chunks do not tile every array, or its processes' "
+            "records disagree")
+
+
+def _chunk_problem(holders: Sequence[TierStep], c: ChunkRecord, bad: frozenset) -> str:
+    for ts in holders:
+        if (ts.tier, c.key) in bad:
+            return f"failed its checksum in {ts.tier}"
+    for ts in holders:
+        size = ts.sizes.get(c.key)
+        if size is not None:
+            return f"is {size} bytes in {ts.tier}, its manifest says {c.stored_nbytes}"
+    return "is missing (" + ", ".join(ts.tier for ts in holders) + ")"

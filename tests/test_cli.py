@@ -1,0 +1,242 @@
+"""The `resilient-ckpt` command, run as installed in a subprocess, on
+directories a real CheckpointManager wrote, with real defects."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    GcsTier,
+    LocalTier,
+    RamTier,
+    layout,
+)
+from resilient_ckpt.tierrecord import RECORD_NAME
+
+BIN = pathlib.Path(sys.executable).with_name("resilient-ckpt")
+
+
+def run(*args, code=0, env=None):
+    cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "resilient_ckpt.tool"]
+    p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, **(env or {})))
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def js(*args, code=0, env=None):
+    return json.loads(run(*args, "--json", code=code, env=env).stdout)
+
+
+def state(mesh, seed):
+    rng = np.random.default_rng(seed)
+    return {"w": jax.device_put(rng.standard_normal((16, 8)).astype(np.float32),
+                                NamedSharding(mesh, P("data", "model"))),
+            "b": jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, P())),
+            "step": seed}
+
+
+@pytest.fixture
+def ckpt(tmp_path, ram_path, mesh):
+    """Steps 1, 2, 3 in a RAM and a local tier; returns (dir, ram path)."""
+    d = tmp_path / "ckpt"
+    opts = CheckpointManagerOptions(tiers=[RamTier(path=ram_path, keep=None), LocalTier()])
+    with CheckpointManager(d, options=opts) as m:
+        for s in (1, 2, 3):
+            m.save(s, args=ocp.args.StandardSave(state(mesh, s)), metrics={"loss": s / 10})
+        m.wait_until_finished()
+    return d, pathlib.Path(ram_path)
+
+
+def chunks(step_dir):
+    return sorted(n for n in os.listdir(step_dir) if layout.is_chunk_name(n))
+
+
+def test_the_tiers_are_recorded_at_the_root(ckpt):
+    d, ram = ckpt
+    rec = json.loads((d / RECORD_NAME).read_text())
+    assert [(t["name"], t["kind"], t["where"]) for t in rec["tiers"]] == \
+        [("ram", "ram", str(ram)), ("local", "local", str(d))]
+    out = js("ls", d)
+    assert out["recorded"] and [t["name"] for t in out["tiers"]] == ["ram", "local"]
+
+
+def test_ls_shows_every_step_in_every_tier(ckpt):
+    d, _ = ckpt
+    out = js("ls", d)
+    assert [s["step"] for s in out["steps"]] == [3, 2, 1]
+    for s in out["steps"]:
+        assert s["viable"] and s["reason"] is None
+        assert [(c["tier"], c["state"], c["processes"], c["problem"]) for c in s["copies"]] \
+            == [("ram", "committed", "1/1", None), ("local", "committed", "1/1", None)]
+        assert all(c["stored_bytes"] == 16 * 8 * 4 + 8 * 4 for c in s["copies"])
+        assert all(0 <= c["age_s"] < 600 for c in s["copies"])
+    text = run("ls", d).stdout
+    assert "step 3: viable" in text and "ram" in text and "local" in text
+
+
+def test_ls_says_why_a_step_is_not_viable(ckpt):
+    d, ram = ckpt
+    # step 3: a chunk gone from both tiers
+    victim = chunks(d / "3")[0]
+    os.remove(d / "3" / victim)
+    os.remove(ram / "3" / victim)
+    # step 2: the manifest gone from the local tier only (RAM still whole)
+    os.remove(d / "2" / layout.manifest_name(0, 1))
+    # step 1: a torn manifest in RAM, none on disk
+    (ram / "1" / layout.manifest_name(0, 1)).write_bytes(b'{"format": "resilient_ckpt", "ver')
+    os.remove(d / "1" / layout.manifest_name(0, 1))
+    steps = {s["step"]: s for s in js("ls", d)["steps"]}
+    s3 = steps[3]
+    assert not s3["viable"] and f"chunk {victim} is missing (ram, local)" in s3["reason"]
+    assert all(f"chunk {victim} is missing" in c["problem"] for c in s3["copies"])
+    s2 = {c["tier"]: c for c in steps[2]["copies"]}
+    assert steps[2]["viable"] and s2["ram"]["problem"] is None
+    assert s2["local"]["state"] == "uncommitted" and "no manifest" in s2["local"]["problem"]
+    assert not steps[1]["viable"] and "torn or damaged" in steps[1]["reason"]
+    text = run("ls", d).stdout
+    assert "step 3: NOT viable: save" in text and "is missing" in text
+
+
+def test_ls_names_a_live_writer_and_a_wrong_size(ckpt):
+    d, ram = ckpt
+    os.remove(d / "3" / layout.manifest_name(0, 1))
+    (d / "3" / layout.Writer.me().marker_name()).write_bytes(b"")
+    victim = chunks(ram / "2")[0]
+    with open(ram / "2" / victim, "ab") as f:
+        f.write(b"x")
+    os.remove(d / "2" / victim)
+    steps = {s["step"]: s for s in js("ls", d)["steps"]}
+    local3 = next(c for c in steps[3]["copies"] if c["tier"] == "local")
+    assert "being written" in local3["problem"]
+    assert any("write marker" in w and "(alive)" in w for w in local3["writers"])
+    assert not steps[2]["viable"] and "bytes in ram, its manifest says" in steps[2]["reason"]
+
+
+def test_ls_finds_the_tiers_without_a_record_with_tier(ckpt):
+    d, ram = ckpt
+    os.remove(d / RECORD_NAME)
+    plain = js("ls", d)
+    assert not plain["recorded"] and [t["name"] for t in plain["tiers"]] == ["local"]
+    out = js("ls", d, "--tier", f"ram={ram}")
+    assert [t["name"] for t in out["tiers"]] == ["ram", "local"]
+    assert [c["tier"] for c in out["steps"][0]["copies"]] == ["ram", "local"]
+    run("ls", d / "nowhere", code=2)
+    run("ls", d, "--tier", "nonsense", code=2)
+
+
+def test_inspect_shows_the_tree(ckpt):
+    d, _ = ckpt
+    out = js("inspect", d, 2)
+    assert out["viable"] and out["metrics"] == {"loss": 0.2} and out["processes"] == 1
+    assert out["bytes_per_tier"] == {"ram": 544, "local": 544}
+    leaves = {lf["path"]: lf for lf in out["items"][0]["leaves"]}
+    w = leaves["['w']"]
+    assert (w["kind"], w["shape"], w["dtype"], w["nbytes"]) == ("array", [16, 8], "float32", 512)
+    assert w["sharding"]["spec"] == ["data", "model"] and w["chunks"] == 8
+    assert "mesh(data=4,model=2)" in w["sharding_text"]
+    assert (leaves["['step']"]["kind"], leaves["['step']"]["value"]) == ("scalar", 2)
+    text = run("inspect", d, 2).stdout
+    assert "['w']" in text and "float32" in text and "(16, 8)" in text and "loss" in text
+    assert "ram 544 B" in text
+    run("inspect", d, 7, code=1)
+
+
+def test_verify_passes_then_finds_each_defect(ckpt):
+    d, ram = ckpt
+    p = run("verify", d)
+    assert "ok: 54 chunk copies" in p.stdout and "verify" in p.stderr  # the bar
+    assert js("verify", d, 3, "-q")["ok"]
+    # a flipped byte in RAM's copy: the step stays viable (disk holds it), but verify fails
+    victim = chunks(ram / "3")[0]
+    path = ram / "3" / victim
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out = js("verify", d, 3, "-q", code=1)
+    assert not out["ok"] and out["chunks"] == 18
+    assert [(x["tier"], x["key"]) for x in out["defects"]] == [("ram", victim)]
+    assert "fails its checksum" in out["defects"][0]["problem"]
+    assert js("verify", d, 2, "-q")["ok"]  # other steps are not touched
+    # a deleted chunk and a removed manifest
+    os.remove(d / "2" / chunks(d / "2")[0])
+    os.remove(ram / "1" / layout.manifest_name(0, 1))
+    out = js("verify", d, "-q", code=1)
+    problems = [(x["step"], x["tier"], x["problem"]) for x in out["defects"]]
+    assert any(s == 2 and t == "local" and "missing" in p for s, t, p in problems)
+    assert any(s == 3 and t == "ram" and "checksum" in p for s, t, p in problems)
+    out = js("verify", d, 1, "-q", code=1)  # the disk copy of step 1 is whole, RAM's not
+    assert [(x["tier"], x["key"]) for x in out["defects"]] == [("ram", None)]
+    assert "no manifest" in out["defects"][0]["problem"]
+    text = run("verify", d, 2, "-q", code=1).stdout
+    assert "DEFECT step 2 in local: chunk" in text and "FAILED" in text
+    run("verify", d, 9, code=1)
+
+
+def test_verify_fails_a_step_with_no_intact_manifest(ckpt):
+    d, ram = ckpt
+    os.remove(ram / "1" / layout.manifest_name(0, 1))
+    (d / "1" / layout.manifest_name(0, 1)).write_bytes(b"not json")
+    out = js("verify", d, 1, "-q", code=1)
+    assert any(x["tier"] is None and "torn or damaged" in x["problem"] for x in out["defects"])
+    assert any(x["tier"] == "local" and x["key"] is None for x in out["defects"])
+
+
+def test_ls_names_orbax_steps_and_another_writers_claim(ckpt):
+    d, ram = ckpt
+    with ocp.CheckpointManager(d) as theirs:
+        theirs.save(9, args=ocp.args.StandardSave({"a": np.arange(4)}))
+        theirs.wait_until_finished()
+    claim = ram / "3" / layout.claim_name(0, 1)
+    doc = json.loads(claim.read_text())
+    claim.write_text(json.dumps(dict(doc, save_id="f" * 32)))
+    steps = {s["step"]: s for s in js("ls", d)["steps"]}
+    assert not steps[9]["viable"] and "written by Orbax" in steps[9]["reason"]
+    assert [c["state"] for c in steps[9]["copies"]] == ["orbax"]
+    ram3 = next(c for c in steps[3]["copies"] if c["tier"] == "ram")
+    assert any("another save ffffffff" in w for w in ram3["writers"])
+    assert "written by Orbax" in run("ls", d).stdout
+
+
+def test_a_manager_that_never_saves_records_nothing(tmp_path, mesh):
+    d = tmp_path / "ro"
+    with CheckpointManager(d, options=CheckpointManagerOptions(tiers=[LocalTier()])) as m:
+        m.save(1, args=ocp.args.StandardSave(state(mesh, 1)))
+    os.remove(d / RECORD_NAME)
+    with CheckpointManager(d, options=CheckpointManagerOptions(read_only=True)) as m:
+        assert m.all_steps() == [1]
+    with CheckpointManager(d) as m:  # writable, but it only restores
+        m.restore(1)
+    assert not (d / RECORD_NAME).exists()
+
+
+def test_a_gcs_tier_is_listed_and_verified(gcs, url, tmp_path, ram_path, mesh):
+    from resilient_ckpt.storage.gcs import GcsStorage
+    d = tmp_path / "g"
+    opts = CheckpointManagerOptions(tiers=[RamTier(path=ram_path),
+                                           GcsTier(url, endpoint=gcs.endpoint)])
+    with CheckpointManager(d, options=opts) as m:
+        m.save(1, args=ocp.args.StandardSave(state(mesh, 1)))
+        m.wait_until_finished()
+    env = {"STORAGE_EMULATOR_HOST": gcs.endpoint}
+    out = js("ls", d, env=env)
+    assert [(t["name"], t["where"]) for t in out["tiers"]] == [("ram", ram_path), ("gcs", url)]
+    assert [(c["tier"], c["problem"]) for c in out["steps"][0]["copies"]] == \
+        [("ram", None), ("gcs", None)]
+    assert js("verify", d, "-q", env=env)["chunks"] == 18
+    bare = js("ls", url, env=env)  # a gs:// directory alone: its one GCS tier
+    assert [t["name"] for t in bare["tiers"]] == ["gcs"] and bare["steps"][0]["viable"]
+    victim = chunks(pathlib.Path(ram_path) / "1")[0]
+    GcsStorage(url, endpoint=gcs.endpoint).delete(f"1/{victim}")
+    out = js("verify", d, 1, "-q", code=1, env=env)
+    assert [(x["tier"], x["key"]) for x in out["defects"]] == [("gcs", victim)]
+    assert "missing" in out["defects"][0]["problem"]
