@@ -469,6 +469,11 @@ def expected(step, shapes):
         k = jax.random.wrap_key_data(cur["key"])
         nxt["key"] = np.asarray(jax.random.key_data(jax.random.fold_in(k, s)))
         cache[s] = cur = nxt
+        # Every step's state kept would be steps x the state (25 GB for 200
+        # steps of 128 MB): above 256 MB in all, keep only the newest.
+        if len(cache) * sum(v.nbytes for v in cur.values()) > 1 << 28:
+            for old in [t for t in cache if t != s]:
+                del cache[old]
     return cur
 
 
