@@ -203,12 +203,7 @@ class Saver:
 
     def _failed(self, t: Tier, step: int, e: BaseException, rec: SaveRecord) -> None:
         rec.tiers[t.name] = TierWrite(t.name, step, False, 0.0, 0, str(e))
-        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-        hint = (f"; the {t.name} tier is out of space: free some, or lower its keep"
-                if full else "")
-        err = SaveFailedError(f"save of step {step} to the {t.name} tier "
-                              f"({t.storage.url}) failed: {e}{hint}")
-        err.__cause__, err.step, err.tier = e, step, t.name
+        err = _save_failed(t, step, e)
         log.error("%s", err)
         with self._errors_lock:
             self._errors.append(err)
@@ -300,6 +295,17 @@ class Saver:
         self._io.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flying.pool.clear()
+
+
+def _save_failed(t: Tier, step: int, e: BaseException) -> SaveFailedError:
+    """The error a failed write of `step` to `t` is reported as (with a hint when
+    the tier is out of space)."""
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    hint = f"; the {t.name} tier is out of space: free some, or lower its keep" if full else ""
+    err = SaveFailedError(f"save of step {step} to the {t.name} tier "
+                          f"({t.storage.url}) failed: {e}{hint}")
+    err.__cause__, err.step, err.tier = e, step, t.name
+    return err
 
 
 def _keeps_replicas(t: Tier) -> bool:
