@@ -13,10 +13,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import contextlib
 import json
-import shutil
-import tempfile
 import threading
 import time
 
@@ -27,14 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import (
     CheckpointError,
-    CheckpointManager,
-    CheckpointManagerOptions,
-    LocalTier,
-    RamTier,
     RecoveryFailedError,
     elastic,
 )
@@ -122,20 +116,6 @@ def check(devices):
     hc = HealthCheck()
     hc.prepare(devices)
     return hc
-
-
-@contextlib.contextmanager
-def manager(ram_every: int = 2, local_every: int = 5, keep: int | None = 2):
-    local = tempfile.mkdtemp(prefix="rc-elastic-")
-    ram = tempfile.mkdtemp(prefix="rc-elastic-", dir="/dev/shm")
-    mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=[
-        RamTier(every=ram_every, keep=keep, path=ram), LocalTier(every=local_every, keep=keep)]))
-    try:
-        yield mngr
-    finally:
-        mngr.close()
-        shutil.rmtree(local, ignore_errors=True)
-        shutil.rmtree(ram, ignore_errors=True)
 
 
 def trainer(el: Elastic, faults: FaultInjector | None, total: int, seen: dict,

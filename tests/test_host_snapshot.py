@@ -15,10 +15,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import contextlib
 import logging
-import shutil
-import tempfile
 
 import hypothesis
 import hypothesis.strategies as st
@@ -27,15 +24,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from resilient_ckpt import (
-    CheckpointManager,
-    CheckpointManagerOptions,
-    CorruptCheckpointError,
-    LocalTier,
-    RamTier,
-)
+from resilient_ckpt import CorruptCheckpointError
 from resilient_ckpt.elastic import (
     Elastic,
     HealthCheck,
@@ -179,8 +171,9 @@ def test_checksum_on_device_matches_numpy_and_sees_one_flipped_bit(devices, dtyp
 
 def test_copies_survive_the_loss_of_any_replica_group(mesh3):
     """Each block of a leaf sharded along the replica axis gets a backup in
-    the group half the ring away (the next one of two); a leaf replicated along it has a copy per group and no
-    backup; so without any one group's devices every block is still held."""
+    the group half the ring away (the next one of two); a leaf replicated
+    along it has a copy per group and no backup; so without any one group's
+    devices every block is still held."""
     tier = HostSnapshotTier(replica_axis="replica")
     state = put(mesh3)
     taken(tier, 1, state)
@@ -525,20 +518,6 @@ def test_a_corrupted_host_copy_falls_back_to_the_other_copy(mesh3, caplog):
 
 # ------------------------------------------------------------------ the elastic loop
 
-@contextlib.contextmanager
-def manager(ram_every: int):
-    local = tempfile.mkdtemp(prefix="rc-hostsnap-")
-    ram = tempfile.mkdtemp(prefix="rc-hostsnap-", dir="/dev/shm")
-    mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=[
-        RamTier(every=ram_every, keep=2, path=ram), LocalTier(every=100, keep=2)]))
-    try:
-        yield mngr
-    finally:
-        mngr.close()
-        shutil.rmtree(local, ignore_errors=True)
-        shutil.rmtree(ram, ignore_errors=True)
-
-
 def trainer(el: Elastic, faults: FaultInjector, total: int, seen: dict, hook=None):
     @el.run
     def train(mesh):
@@ -560,7 +539,7 @@ def test_the_loop_recovers_from_the_surviving_replicas_host_copy(mesh3, devices,
     want = reference(total)
     faults = FaultInjector([DeviceFault(fail_at, (4, 5, 6, 7))], check=check)
     tier = HostSnapshotTier(every=1, keep=2)   # replica axis: the loop's data axis
-    with manager(ram_every=4) as mngr:
+    with manager(ram_every=4, local_every=100) as mngr:
         el = Elastic(mngr, mesh3, data_axis="replica", health_check=faults.health_check,
                      rescale_every_s=0, host_snapshot=tier)
         assert tier.replica_axis == "replica"
@@ -597,7 +576,7 @@ def test_the_loop_falls_back_to_the_manager_when_the_host_copies_are_corrupt(mes
                 for d in rec.leaves[li].blocks[0].holders:
                     _flipped_copy(tier, s, (li, 0, d))
 
-    with manager(ram_every=4) as mngr:
+    with manager(ram_every=4, local_every=100) as mngr:
         el = Elastic(mngr, mesh3, data_axis="replica", health_check=faults.health_check,
                      rescale_every_s=0, host_snapshot=tier)
         seen: dict = {}
