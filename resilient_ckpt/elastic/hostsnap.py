@@ -219,10 +219,11 @@ class HostSnapshotTier:
         snap.checks = []
         with self._lock:
             self._snaps[step] = snap
-            self._pending = None
             for s in hostplan.beyond_keep(self._snaps, self.keep):
                 self._drop(s, f"retention (keep={self.keep})")
         _start_prepare(self, snap)
+        with self._lock:  # last: `wait` returns only once `preparing` is started
+            self._pending = None
 
     # ---------------------------------------------------------------- reading
 
@@ -250,16 +251,21 @@ class HostSnapshotTier:
         """Host memory held by the tier's copies now (committed and in flight), per host."""
         hosts, out = self._host_map(), dict[Hashable, int]()
         with self._lock:
-            snaps = list(self._snaps.values()) + ([self._pending] if self._pending else [])
+            snaps = self._held()
         for snap in snaps:
             for h, n in snap.record.bytes_per_host(hosts).items():
                 out[h] = out.get(h, 0) + n
         return out
 
+    def _held(self) -> list[_Snapshot]:
+        """Committed snapshots and the one in flight, each once (under the lock)."""
+        pending = [self._pending] if self._pending is not None else []
+        return list(self._snaps.values()) + [p for p in pending if p not in self._snaps.values()]
+
     def lose(self, device_ids: Collection[int]) -> None:
         """The copies on these devices' hosts are gone (the devices were lost)."""
         with self._lock:
-            for snap in [*self._snaps.values(), *([self._pending] if self._pending else [])]:
+            for snap in self._held():
                 snap.lost |= set(device_ids)
         self._programs.drop(device_ids)
         self._prepared.clear()
@@ -358,11 +364,12 @@ def _start_prepare(tier: HostSnapshotTier, snap: _Snapshot) -> None:
     sig = tuple((li, mesh_key(m), str(p)) for li, (m, p) in snap.shardings.items())
     if tier.likely_meshes is not None and sig not in tier._prepared:
         tier._prepared.add(sig)
-        tier.preparing = threading.Thread(
+        t = threading.Thread(
             target=_prepare, name="rc-hostsnap-compile",
             args=(snap.record, snap.shardings, tier.likely_meshes, tier._programs,
                   lambda: sig in tier._prepared))
-        tier.preparing.start()
+        t.start()
+        tier.preparing = t  # published started: a reader may join it at once
 
 
 def _prepare(record: SnapshotRecord, shardings: dict[int, tuple[Mesh, PartitionSpec]],
