@@ -3,11 +3,15 @@
 It owns the commands and what they print: `ls DIR` (every step in every
 tier, committed or not, viable or why not, sizes, ages), `inspect DIR STEP`
 (a step's tree: paths, shapes, dtypes, shardings, bytes per tier, metrics)
-and `verify DIR [STEP]` (every chunk of every copy read back and checked, a
-progress bar on stderr, exit status 1 on any defect); `--json` on each
-prints one JSON document instead. What a directory holds is survey.py's;
-nothing here writes. Exit status: 0 fine, 1 a defect or no such step, 2 a
-usage error or a directory that cannot be read.
+`verify DIR [STEP]` (every chunk of every copy read back and checked, a
+progress bar on stderr, exit status 1 on any defect), `gc DIR` (dead
+writers' leftovers, with sizes; removed only with `--apply`), `export DIR
+STEP DEST` (a step as an Orbax checkpoint) and `import SRC DEST` (an Orbax
+checkpoint as a step of ours); `--json` on each prints one JSON document
+instead. What a directory holds is survey.py's, what gc removes sweep.py's,
+the conversions interop.py's; only gc --apply, export and import write.
+Exit status: 0 fine, 1 a defect or no such step, 2 a usage error or a
+directory that cannot be read.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import commit, survey
+from . import commit, survey, sweep
+from .errors import CorruptCheckpointError, StepNotFoundError
 from .manifest import DTYPES, LeafRecord, Manifest, decode_scalar, path_str
 from .selection import TierStep
 
@@ -195,6 +200,64 @@ def cmd_verify(dr: survey.Directory, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------- gc
+
+def cmd_gc(dr: survey.Directory, args: argparse.Namespace) -> int:
+    done = [sweep.sweep_tier(e.name, st, dr.naming, args.apply, args.orphan_age)
+            for e, st in dr.tiers]
+    found = [x for t in done for x in t.leftovers]
+    total = sum(x.bytes for x in found)
+    if args.json:
+        _print_json({"directory": dr.path, "applied": args.apply, "bytes": total,
+                     "tiers": [{"name": t.tier, "where": t.where, "skipped": t.skipped}
+                               for t in done],
+                     "leftovers": [vars(x) for x in found]})
+        return 0
+    for t in done:
+        if t.skipped:
+            print(f"{t.tier}: skipped, {t.skipped}")
+    for x in found:
+        print(f"{'removed' if args.apply else 'would remove'} {x.tier}:{x.path} "
+              f"{_size(x.bytes)}")
+    verb = "removed" if args.apply else "to remove (run with --apply to remove them)"
+    print(f"{len(found)} leftover(s), {_size(total)}, {verb}" if found else "nothing to remove")
+    return 0
+
+
+# ---------------------------------------------------------------- export, import
+
+def _moved(m: Any, args: argparse.Namespace, what: str) -> int:
+    if args.json:
+        _print_json(vars(m))
+    else:
+        print(f"{what} step {m.step} ({', '.join(m.items)}: {m.leaves} leaves, "
+              f"{_size(m.bytes)}) to {m.path} in {m.seconds:.1f}s")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from . import interop
+    names = [t for t in args.tier if "=" not in t]
+    if len(names) > 1:
+        return _fail(f"export reads from one tier; got --tier {' --tier '.join(names)}", 2)
+    try:
+        m = interop.export_step(args.directory, args.step, args.dest,
+                                tier=names[0] if names else None,
+                                tier_overrides=[t for t in args.tier if "=" in t])
+    except (StepNotFoundError, CorruptCheckpointError) as e:
+        return _fail(str(e), 1)
+    return _moved(m, args, "exported")
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from . import interop
+    try:
+        m = interop.import_step(args.directory, args.dest, step=args.step)
+    except StepNotFoundError as e:
+        return _fail(str(e), 1)
+    return _moved(m, args, "imported")
+
+
 # ---------------------------------------------------------------- entry point
 
 def _print_json(doc: Any) -> None:
@@ -221,14 +284,30 @@ def parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", parents=[common], help="read and check every chunk")
     ver.add_argument("step", type=int, nargs="?", help="only this step (default: all)")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    gc = sub.add_parser("gc", parents=[common], help="dead writers' leftovers (dry run)")
+    gc.add_argument("--apply", "--delete", action="store_true", help="remove them")
+    gc.add_argument("--orphan-age", type=float, default=3600.0, metavar="S",
+                    help="on GCS: uncommitted objects older than this are leftovers")
+    exp = sub.add_parser("export", parents=[common], help="a step as an Orbax checkpoint; "
+                         "--tier NAME (no '=') reads it from that tier only")
+    exp.add_argument("step", type=int)
+    exp.add_argument("dest", help="an Orbax CheckpointManager directory")
+    imp = sub.add_parser("import", help="an Orbax checkpoint as a step of ours")
+    imp.add_argument("directory", help="an Orbax step, manager or StandardCheckpointer dir")
+    imp.add_argument("dest", help="our CheckpointManager directory (its default tiers)")
+    imp.add_argument("--step", type=int, help="which Orbax step / the step to save it as")
+    imp.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command in ("export", "import"):
+            return {"export": cmd_export, "import": cmd_import}[args.command](args)
         dr = survey.open_directory(args.directory, args.tier)
-        cmd = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify}[args.command]
+        cmd = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify,
+               "gc": cmd_gc}[args.command]
         return cmd(dr, args)
     except (ValueError, OSError) as e:
         return _fail(str(e), 2)

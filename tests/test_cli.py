@@ -240,3 +240,75 @@ def test_a_gcs_tier_is_listed_and_verified(gcs, url, tmp_path, ram_path, mesh):
     out = js("verify", d, 1, "-q", code=1, env=env)
     assert [(x["tier"], x["key"]) for x in out["defects"]] == [("gcs", victim)]
     assert "missing" in out["defects"][0]["problem"]
+
+
+def dead_writer():
+    me = layout.Writer.me()
+    return layout.Writer(me.host, me.pid, me.start + 1)  # same pid, another start: dead
+
+
+def test_gc_lists_dead_writers_leftovers_then_removes_them(ckpt):
+    d, ram = ckpt
+    dead, me = dead_writer(), layout.Writer.me()
+    tmp = d / "3" / dead.tmp_name(chunks(d / "3")[0])
+    tmp.write_bytes(b"x" * 100)
+    (d / "7").mkdir()  # an uncommitted step of a dead save: a chunk and its claim
+    (d / "7" / "0123abcd.c0.0.0_0").write_bytes(b"y" * 64)
+    (d / "7" / layout.claim_name(0, 1)).write_text(json.dumps(
+        {"save_id": "0" * 32, "host": dead.host, "pid": dead.pid, "start": dead.start}))
+    (d / "8").mkdir()  # a live save in progress: left alone
+    (d / "8" / "89abcdef.c0.0.0_0").write_bytes(b"z" * 64)
+    (d / "8" / me.marker_name()).write_bytes(b"")
+    claim = d / "7" / layout.claim_name(0, 1)
+    out = js("gc", d)
+    found = {(x["tier"], x["path"]): x["bytes"] for x in out["leftovers"]}
+    assert not out["applied"] and found == {
+        ("local", f"3/{tmp.name}"): 100, ("local", "7/0123abcd.c0.0.0_0"): 64,
+        ("local", f"7/{claim.name}"): claim.stat().st_size, ("local", "7"): 0}
+    assert tmp.exists() and (d / "7").exists()  # a dry run removes nothing
+    assert "would remove local:7/0123abcd.c0.0.0_0 64 B" in run("gc", d).stdout
+    out = js("gc", d, "--apply")
+    assert out["applied"] and len(out["leftovers"]) == 4
+    assert not tmp.exists() and not (d / "7").exists()
+    assert sorted(os.listdir(d / "8")) == sorted(["89abcdef.c0.0.0_0", me.marker_name()])
+    assert "nothing to remove" in run("gc", d).stdout
+    assert all(s["viable"] for s in js("ls", d)["steps"] if s["step"] <= 3)
+
+
+def test_gc_leaves_a_tier_a_live_writer_holds_alone(ckpt, mesh):
+    d, ram = ckpt
+    opts = CheckpointManagerOptions(tiers=[RamTier(path=str(ram), keep=None)])
+    with CheckpointManager(d / "other", options=opts) as m:  # holds the RAM tier's lock
+        m.save(4, args=ocp.args.StandardSave(state(mesh, 4)))
+        m.wait_until_finished()
+        (ram / "3" / dead_writer().tmp_name("x")).write_bytes(b"t")
+        (d / "3" / dead_writer().tmp_name("x")).write_bytes(b"t")
+        out = js("gc", d, "--apply")
+        tiers = {t["name"]: t["skipped"] for t in out["tiers"]}
+        assert "live writer" in tiers["ram"] and tiers["local"] is None
+        assert [x["tier"] for x in out["leftovers"]] == ["local"]
+        assert any(n.startswith(".x.tmp") for n in os.listdir(ram / "3"))
+
+
+def test_export_and_import_on_the_command_line(ckpt, tmp_path, mesh):
+    d, ram = ckpt
+    dest = tmp_path / "orbax"
+    out = js("export", d, 2, dest, "--tier", "local")
+    assert out["step"] == 2 and out["items"] == ["default"]
+    want = state(mesh, 2)
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                if isinstance(v, jax.Array) else v for k, v in want.items()}
+    got = ocp.StandardCheckpointer().restore(dest / "2" / "default", abstract)
+    assert got["step"] == 2
+    for k in ("w", "b"):
+        assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes()
+    run("export", d, 2, dest, code=2)  # the step is there already
+    run("export", d, 7, tmp_path / "o7", code=1)
+    assert not (tmp_path / "o7").exists() or not os.listdir(tmp_path / "o7")
+    back = tmp_path / "back"
+    assert js("import", dest, back)["step"] == 2
+    with CheckpointManager(back) as m:
+        r = m.restore(2, args=ocp.args.StandardRestore(abstract))
+    assert np.asarray(r["w"]).tobytes() == np.asarray(want["w"]).tobytes()
+    assert "imported step 5" in run("import", dest / "2" / "default", tmp_path / "b5",
+                                    "--step", 5).stdout
