@@ -26,6 +26,7 @@ hold locks of their own when they call in (the save machinery does).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -66,20 +67,19 @@ class JobView:
         return sorted(s for s, a in self.steps.items() if tier in a.complete_in)
 
     def doomed(self, tier: str, own: set[int], keep: int | None, rule: Retention,
-               metrics: dict[int, Any], pinned: frozenset[int]) -> list[int]:
+               metrics: dict[int, Any], pinned: frozenset[int],
+               times: dict[int, float] | None = None) -> list[int]:
         """Retention from the agreed view, so every host keeps the same steps:
         only steps the tier holds every share of take slots; the newest such
         step and the newest viable one are kept. Leftovers this host holds of
         steps older than every kept one (a save a peer never finished) go too,
         which bounds a per-host tier. `own`: the steps this host's copy of the
-        tier holds; `pinned`: steps an upload here still reads."""
+        tier holds; `pinned`: steps an upload here still reads; `times`: when
+        each step's save started (for a preservation policy)."""
         complete = self.complete_in(tier)
         protected = frozenset(({max(self.steps)} if self.steps else set())
                               | ({complete[-1]} if complete else set()))
-        doomed = set(retention.to_delete(
-            complete, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
-            best_mode=rule.best_mode, metrics=metrics,
-            keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected))
+        doomed = set(_to_delete(tier, complete, keep, rule, metrics, protected, times))
         kept = [s for s in complete if s not in doomed]
         if keep is not None and kept:
             doomed |= {s for s in own if s < kept[0] and s not in self.steps
@@ -319,22 +319,46 @@ class Catalog:
         protected = frozenset(({max(viable)} if viable else set()) | set(pinned)
                               | ({max(alone)} if alone else set()))
         metrics = {s: c.manifest.metrics for s, c in viable.items()}
-        return retention.to_delete(
-            steps, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
-            best_mode=rule.best_mode, metrics=metrics,
-            keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected)
+        return _to_delete(tier, steps, keep, rule, metrics, protected,
+                          {s: c.created for s, c in viable.items()})
 
     def _doomed_agreed(self, tier: str, keep: int | None, rule: Retention,
                        pinned: frozenset[int]) -> list[int]:
         with self._lock:
             job, own = self._job, set(self._views.get(tier, {}))
-        metrics = {}
-        # Metrics mean reading each step's manifests back: only for a best_fn.
-        for s in job.complete_in(tier) if rule.best_fn is not None else ():
+        metrics, times = {}, {}
+        # Reading each step's manifests back: only for a best_fn or a preservation policy.
+        for s in job.complete_in(tier) if rule.best_fn or tier in rule.policy_tiers else ():
             c = self.choice(s)
-            if c is not None and c.manifest.metrics is not None:
-                metrics[s] = c.manifest.metrics
-        return job.doomed(tier, own, keep, rule, metrics, pinned)
+            if c is not None:
+                times[s], metrics[s] = c.created, c.manifest.metrics
+        return job.doomed(tier, own, keep, rule, metrics, pinned, times)
+
+
+def created_of(catalog: Catalog, step: int) -> float | None:
+    """When `step`'s save started (seconds since the epoch); for a step Orbax
+    wrote, when its commit file was written; None when unknown. (Beside the
+    class, which is at its size limit.)"""
+    if step in catalog.orbax_steps():
+        path = os.path.join(catalog._directory, catalog.naming.name(step),
+                            legacy.ORBAX_COMMIT_FILE)
+        return os.path.getmtime(path) if os.path.exists(path) else None
+    c = catalog.choice(step)
+    if c is not None:
+        return c.created
+    with catalog._lock:
+        return catalog._in_flight[step][0] if step in catalog._in_flight else None
+
+
+def _to_delete(tier: str, steps: Sequence[int], keep: int | None, rule: Retention,
+               metrics: dict[int, Any], protected: frozenset[int],
+               times: dict[int, float] | None) -> list[int]:
+    """`retention.to_delete` under `rule` for `tier` (its policy, if it governs the tier)."""
+    return retention.to_delete(
+        steps, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
+        best_mode=rule.best_mode, metrics=metrics,
+        keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected,
+        policy=rule.policy if tier in rule.policy_tiers else None, times=times)
 
 
 def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: dict,

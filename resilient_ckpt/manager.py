@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from etils import epath
 
-from . import args as args_lib, colocated, commit, legacy, metadata, retention
+from . import args as args_lib, colocated, commit, legacy, metadata, policies, retention, rootmeta
 from .agree import Peers
-from .catalog import Catalog
+from .catalog import Catalog, created_of
 from .coordination import Coordinator
 from .errors import StepAlreadyExistsError, StepNotFoundError
 from .layout import StepNaming
@@ -48,7 +48,7 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, checkpointers: Any = None,
                  options: Any = None, metadata: Any = None, item_names: Any = None,
                  item_handlers: Any = None, logger: Any = None, handler_registry: Any = None):
-        del checkpointers, metadata, logger, handler_registry
+        del checkpointers, logger, handler_registry
         self._options = o = CheckpointManagerOptions.from_any(options)
         _preflight(directory, o)  # before anything is opened
         self._directory = epath.Path(directory)
@@ -61,6 +61,8 @@ class CheckpointManager:
                                next((s for s in storages.values()
                                      if getattr(s, "root", None) == home), None),
                                Peers(str(self._directory), o.agreement_timeout_s))
+        self._root = rootmeta.for_manager(str(self._directory), storages, metadata, options,
+                                          o.read_only, self.catalog.peers.index)
         self._saver = Saver(plan, storages, self.catalog, o.io_threads,
                             o.host_memory_budget, o.over_budget)
         self._coord = Coordinator(self.catalog, self._saver, str(self._directory))
@@ -141,15 +143,8 @@ class CheckpointManager:
         from orbax.checkpoint import utils as ocp_utils
         return bool(ocp_utils.reached_preemption(step))
 
-    def _due_tiers(self, step: int) -> list[Tier]:
-        return _due(self._saver.tiers, self._options, step, self.latest_step(),
-                    lambda: self.reached_preemption(step))
-
     def should_save(self, step: int) -> bool:
-        latest = self.latest_step()
-        if self._options.read_only or (latest is not None and latest >= step):
-            return False
-        return bool(self._due_tiers(step))
+        return bool(_due(self, step))
 
     # ------------------------------------------------------------ save
 
@@ -171,13 +166,13 @@ class CheckpointManager:
         if self._options.read_only:
             log.warning("%s is read only; save of step %d skipped", self._directory, step)
             return False
-        if not force and not self.should_save(step):
+        due = list(self._saver.tiers) if force else _due(self, step)  # one policy call a save
+        if not due:
             return False
         if step in self.all_steps():
             raise StepAlreadyExistsError(
                 f"step {step} already exists in {self._directory}; delete it first "
                 "or save another step")
-        due = self._due_tiers(step) if not force else list(self._saver.tiers)
         in_use = self._writer_lock.try_hold([(t.name, t.storage) for t in self._saver.tiers],
                                             self.catalog.peers.index)
         save_id = self._coord.start_save(step, in_use)
@@ -263,7 +258,7 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> Any:
         if step is None:
-            return metadata.RootMetadata({})
+            return self._root.get()
         self._saver.wait_step(step)
         c = self.catalog.choice(step)
         if c is None and step in self.catalog.orbax_steps():
@@ -292,18 +287,40 @@ class CheckpointManager:
         self.close()
 
 
-def _due(tiers: list[Tier], o: CheckpointManagerOptions, step: int, latest: int | None,
-         preempted: Callable[[], bool]) -> list[Tier]:
-    """The tiers a save of `step` goes to: all of them for the first save, a
-    step in `save_on_steps`, or a preemption; else each tier whose interval
-    divides the step. `should_save_fn`, when given, decides for all tiers."""
-    if o.read_only:
+def _due(m: CheckpointManager, step: int) -> list[Tier]:
+    """The tiers a save of `step` goes to: none when read-only or when `step`
+    is not newer than the latest; all of them for the first save, a step in
+    `save_on_steps`, or a preemption; else each tier whose interval divides
+    the step. `should_save_fn`, when given, decides for all tiers; a
+    `save_decision_policy` for the tiers without an `every` of their own."""
+    o, tiers, latest = m._options, m._saver.tiers, m.latest_step()
+    if o.read_only or (latest is not None and latest >= step):
         return []
+    if o.save_decision_policy is not None:
+        return _due_by_policy(m, step)
+    preempted = functools.partial(m.reached_preemption, step)
     if o.should_save_fn is not None:
         return list(tiers) if o.should_save_fn(step, latest) or preempted() else []
     if latest is None or (o.save_on_steps and step in o.save_on_steps) or preempted():
         return list(tiers)
     return [t for t in tiers if t.plan.every and step % t.plan.every == 0]
+
+
+def _due_by_policy(m: CheckpointManager, step: int) -> list[Tier]:
+    """`_due` with a save-decision policy: asked as Orbax asks it, with every
+    step that exists (time and metrics read only if the policy looks)."""
+    o = m._options
+    history = [policies.StepInfo(s, functools.partial(created_of, m.catalog, s),
+                                 functools.partial(m.metrics, s)) for s in m.all_steps()]
+    yes = policies.should_save(
+        o.save_decision_policy, step, history, preempted=m.reached_preemption(step),
+        saving=o.enable_should_save_is_saving_in_progress_check and m.is_saving_in_progress())
+
+    def due(t: Tier) -> bool:  # a tier with its own interval keeps it
+        if t.plan.config.every is None:
+            return yes
+        return bool(t.plan.every) and step % t.plan.every == 0
+    return [t for t in m._saver.tiers if due(t)]
 
 
 def _preflight(directory: Any, o: CheckpointManagerOptions) -> None:

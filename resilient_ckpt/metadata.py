@@ -33,9 +33,11 @@ class StepMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class RootMetadata:
-    """What `metadata()` without a step returns."""
+    """What `metadata()` without a step returns, field for field as Orbax's
+    (its `internal_metadata` is Orbax's own and holds nothing of ours)."""
 
-    custom_metadata: Any = None
+    custom_metadata: Any = dataclasses.field(default_factory=dict)
+    internal_metadata: Any = dataclasses.field(default_factory=dict)
 
 
 def step_metadata(m: Manifest) -> StepMetadata:

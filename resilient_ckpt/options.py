@@ -46,6 +46,15 @@ class CheckpointManagerOptions:
     that process drives every host's devices. It needs cloudpickle
     (`pip install 'resilient_ckpt[pathways]'`) and durable tiers only
     (`LocalTier` on a file system every host mounts, `GcsTier`).
+    `save_decision_policy` / `preservation_policy`: Orbax's policy objects (or
+    any with the same method), called with what Orbax's manager passes them
+    (policies.py). A save-decision policy replaces `save_interval_steps`,
+    `save_on_steps`, `should_save_fn` and the first-save rule for the tiers
+    that would take `save_interval_steps`; a tier with its own `every` (a RAM
+    tier) keeps it. A preservation policy replaces `max_to_keep`,
+    `keep_period` and `best_fn` (which still ranks `best_step`) for the tiers
+    that would take `max_to_keep`; a tier's own `keep` stays its own. As
+    always, the newest viable step is never deleted (docs/orbax_differences.md).
     """
 
     save_interval_steps: int = 1
@@ -70,6 +79,9 @@ class CheckpointManagerOptions:
     progress: bool = False
     agreement_timeout_s: float = 600.0
     write_on_owning_hosts: bool = False
+    save_decision_policy: Any = None
+    preservation_policy: Any = None
+    enable_should_save_is_saving_in_progress_check: bool = True
 
     def __post_init__(self):
         if self.best_mode not in ("min", "max"):
@@ -78,6 +90,9 @@ class CheckpointManagerOptions:
             raise ValueError("max_to_keep must be None or non-negative")
         if self.over_budget not in ("wait", "skip"):
             raise ValueError(f"over_budget must be 'wait' or 'skip', got {self.over_budget!r}")
+        if self.preservation_policy is not None and (self.max_to_keep or self.keep_period):
+            raise ValueError("preservation_policy replaces max_to_keep and keep_period: give "
+                             "either the policy or those options, not both")
         object.__setattr__(self, "tiers", tuple(self.tiers))
         if self.write_on_owning_hosts and any(isinstance(t, RamTier) for t in self.tiers):
             raise ValueError(
@@ -89,7 +104,9 @@ class CheckpointManagerOptions:
 
     @staticmethod
     def from_any(options: Any) -> CheckpointManagerOptions:
-        """Ours as given, or Orbax's CheckpointManagerOptions field by field."""
+        """Ours as given, or Orbax's CheckpointManagerOptions field by field
+        (its `keep_time_interval`, which ours lacks, becomes the preservation
+        policy Orbax itself would build from it and the delete options)."""
         if options is None:
             return CheckpointManagerOptions()
         if isinstance(options, CheckpointManagerOptions):
@@ -97,19 +114,47 @@ class CheckpointManagerOptions:
         names = {f.name for f in dataclasses.fields(CheckpointManagerOptions)}
         kw = {n: getattr(options, n) for n in names if hasattr(options, n)}
         pp = getattr(options, "preservation_policy", None)
-        if pp is not None and type(pp).__name__ == "LatestN":
-            kw["max_to_keep"] = pp.n
+        same = not (kw.get("max_to_keep") or kw.get("keep_period"))  # else __post_init__ raises
+        if pp is not None and type(pp).__name__ == "LatestN" and same:  # LatestN is max_to_keep
+            kw["max_to_keep"], kw["preservation_policy"] = pp.n, None
+        interval = getattr(options, "keep_time_interval", None)
+        if interval is not None:
+            if pp is not None:
+                raise ValueError("preservation_policy replaces keep_time_interval: give "
+                                 "either the policy or that option, not both")
+            kw.update(preservation_policy=_orbax_rule(kw, interval), max_to_keep=None,
+                      keep_period=None)
         return CheckpointManagerOptions(**kw)
+
+
+def _orbax_rule(kw: dict[str, Any], interval: Any) -> Any:
+    """One policy for Orbax's delete options with `keep_time_interval`: a step
+    is kept when any of the time, period and count (or best) rules keeps it."""
+    from orbax.checkpoint import checkpoint_managers as cm
+    rules: list[Any] = [cm.EveryNSeconds(interval_secs=int(interval.total_seconds()))]
+    if kw.get("keep_period") is not None:
+        rules.append(cm.EveryNSteps(kw["keep_period"]))
+    if kw.get("best_fn") is None:
+        rules.append(cm.LatestN(n=kw.get("max_to_keep")))
+    else:
+        rules.append(cm.BestN(get_metric_fn=kw["best_fn"], reverse=kw.get("best_mode") == "min",
+                              n=kw.get("max_to_keep"),
+                              keep_checkpoints_without_metrics=kw.get(
+                                  "keep_checkpoints_without_metrics", True)))
+    return cm.AnyPreservationPolicy(rules)
 
 
 @dataclasses.dataclass(frozen=True)
 class Retention:
-    """Orbax's preservation rule, applied to every tier with that tier's `keep`."""
+    """Orbax's preservation rule, applied to every tier with that tier's `keep`;
+    a preservation `policy` instead, on the tiers it governs."""
 
     keep_period: int | None = None
     best_fn: Callable[[Any], float] | None = None
     best_mode: BestMode = "max"
     keep_without_metrics: bool = True
+    policy: Any = None  # a preservation policy, for the tiers named in `policy_tiers`
+    policy_tiers: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +188,8 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
     No `tiers`: one tier at the directory (GCS for gs://, else local disk).
     Tiers sort fastest first (by their `rank`); a tier's None `every` / `keep`
     take `save_interval_steps` / `max_to_keep` (a RAM tier's `keep` is its own:
-    None there means "keep all" on purpose).
+    None there means "keep all" on purpose); a `preservation_policy` governs
+    exactly the tiers that take `max_to_keep`.
     """
     o = options
     remote = directory.startswith("gs://")
@@ -151,11 +197,15 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
                      key=lambda t: t.rank)
     tiers: list[TierPlan] = []
     seen: collections.Counter[str] = collections.Counter()
+    by_policy: set[str] = set()
     for t in configs:
         name = t.kind if not seen[t.kind] else f"{t.kind}{seen[t.kind]}"
         seen[t.kind] += 1
         every = t.every if t.every is not None else o.save_interval_steps
-        keep = t.keep if (t.keep is not None or isinstance(t, RamTier)) else o.max_to_keep
+        own_keep = t.keep is not None or isinstance(t, RamTier)
+        keep = t.keep if own_keep else o.max_to_keep
+        if not own_keep and o.preservation_policy is not None:
+            by_policy.add(name)
         gcs = t if isinstance(t, GcsTier) else None
         tiers.append(TierPlan(name, t, every, keep,
                               Encoding(gcs.codec, gcs.level) if gcs else Encoding(),
@@ -164,6 +214,7 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
     return Plan(directory, tuple(tiers),
                 StepNaming(o.step_prefix, o.step_format_fixed_length),
                 Retention(o.keep_period, o.best_fn, o.best_mode,
-                          o.keep_checkpoints_without_metrics),
+                          o.keep_checkpoints_without_metrics, o.preservation_policy,
+                          frozenset(by_policy)),
                 writable=o.create and not o.read_only,
                 on_owning_hosts=o.write_on_owning_hosts)

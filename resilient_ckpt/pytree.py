@@ -16,6 +16,9 @@ import numpy as np
 from .errors import TargetMismatchError
 from .manifest import PathEntry, path_str
 
+# Orbax's `ocp.PLACEHOLDER`: a target leaf that is not read and comes back as is.
+PLACEHOLDER = ...
+
 
 def _is_leaf(x: Any) -> bool:
     return x is None
@@ -92,10 +95,13 @@ def build_nested(pairs: list[tuple[tuple[PathEntry, ...], Any]]) -> Any:
 
 def match_target(saved_paths: list[tuple[PathEntry, ...]],
                  target_paths: list[tuple[PathEntry, ...]], *, partial: bool,
-                 where: str) -> list[int]:
+                 where: str, placeholders: tuple = ()) -> list[int]:
     """For each target leaf, the index of the saved leaf it restores from.
 
-    Raises TargetMismatchError naming the leaves that do not correspond.
+    The `placeholders` (paths of PLACEHOLDER leaves, not in `target_paths`)
+    are not read, but count as named by the target: a saved leaf there is not
+    missing from it, and one the step lacks is no error. Raises
+    TargetMismatchError naming the leaves that do not correspond.
     """
     index = {p: i for i, p in enumerate(saved_paths)}
     missing = [path_str(p) for p in target_paths if p not in index]
@@ -105,7 +111,7 @@ def match_target(saved_paths: list[tuple[PathEntry, ...]],
             f"{_some(missing)}; check the target's "
             "tree structure against item_metadata(step)")
     if not partial:
-        tset = set(target_paths)
+        tset = set(target_paths) | set(placeholders)
         extra = [path_str(p) for p in saved_paths if p not in tset]
         if extra:
             raise TargetMismatchError(

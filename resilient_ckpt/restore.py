@@ -1,7 +1,9 @@
 """Assembling a selected step: restore targets, arrays on their devices, items.
 
 Each target leaf becomes a `LeafTarget` (a jax array on a sharding, a numpy
-value, or as saved) checked against its record; per leaf, the boxes this
+value, or as saved) checked against its record (its shape must match; another
+dtype is a cast of the verified host copy, as Orbax casts; `ocp.PLACEHOLDER`
+leaves are not read and come back as they are); per leaf, the boxes this
 process's devices need are planned against the saved chunks and read through
 a `reader.ChunkReader`. Target shards that are exactly one saved chunk are
 used as read (on the CPU backend, aliased into the jax array without a copy).
@@ -24,7 +26,7 @@ from .errors import TargetMismatchError
 from .hostmem import host_buffer
 from .manifest import ItemRecord, LeafRecord, decode_scalar, path_str
 from .planner import plan_target
-from .pytree import build_nested, flatten, match_target, unflatten
+from .pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
 from .reader import ChunkReader, RestoreRecord
 from .selection import Choice
 from .sharding import index_to_box, rebuild
@@ -45,15 +47,18 @@ class LeafTarget:
 
 
 def target_for(leaf: Any, restore_arg: Any = None) -> LeafTarget:
+    """The target of one leaf: its own shape, dtype and sharding, each
+    overridden by the restore arg's where that gives one (as in Orbax)."""
     sharding = getattr(restore_arg, "sharding", None)
+    dtype = getattr(restore_arg, "dtype", None)
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
-        return LeafTarget("jax", tuple(leaf.shape), leaf.dtype,
+        return LeafTarget("jax", tuple(leaf.shape), dtype or leaf.dtype,
                           sharding or getattr(leaf, "sharding", None))
     if isinstance(leaf, np.ndarray):
-        return LeafTarget("numpy", tuple(leaf.shape), leaf.dtype)
+        return LeafTarget("numpy", tuple(leaf.shape), dtype or leaf.dtype)
     if sharding is not None:
-        return LeafTarget("jax", None, getattr(restore_arg, "dtype", None), sharding)
-    return LeafTarget("value")
+        return LeafTarget("jax", None, dtype, sharding)
+    return LeafTarget("value", dtype=dtype)
 
 
 def _check(rec: LeafRecord, tgt: LeafTarget, where: str) -> None:
@@ -68,12 +73,20 @@ def _check(rec: LeafRecord, tgt: LeafTarget, where: str) -> None:
                                   f"has shape {tuple(tgt.shape)}")
     if tgt.dtype is None:
         return
-    is_key = jnp.issubdtype(tgt.dtype, jax.dtypes.prng_key)
-    if is_key != (rec.kind == "prng_key") or (
-            not is_key and np.dtype(tgt.dtype).name != rec.dtype):
+    # Another numeric dtype is a cast (`_cast`); a key and a number are not.
+    if jnp.issubdtype(tgt.dtype, jax.dtypes.prng_key) != (rec.kind == "prng_key"):
         saved = f"key<{rec.key_impl}>" if rec.kind == "prng_key" else rec.dtype
         raise TargetMismatchError(f"{where}: saved with dtype {saved}, target has dtype "
                                   f"{tgt.dtype}")
+
+
+def _cast_to(rec: LeafRecord, tgt: LeafTarget) -> np.dtype | None:
+    """The dtype to cast the stored values to, or None when they are restored
+    as stored (no copy is made for a cast then)."""
+    if tgt.dtype is None or rec.kind == "prng_key":
+        return None
+    want = np.dtype(tgt.dtype)
+    return None if want == jnp.dtype(rec.dtype) else want
 
 
 def _key_data_sharding(s: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
@@ -153,7 +166,7 @@ def _readable(box, rec: LeafRecord, where: str) -> bool:
 
 
 def _to_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReader,
-            where: str) -> jax.Array:
+            where: str, cast: np.dtype | None = None) -> jax.Array:
     shape = rec.shape
     index_map = sharding.addressable_devices_indices_map(shape)
     by_box = collections.defaultdict(list)
@@ -167,8 +180,10 @@ def _to_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReade
     missing = [] if reader.fills is None else [b for b in boxes
                                                if not _readable(b, rec, where)]
     host = _host_boxes(rec, [b for b in boxes if b not in missing], reader, where, cpu)
+    if cast is not None:  # after the reader checked the stored bytes
+        host = {b: a.astype(cast) for b, a in host.items()}
     for b in missing:  # filled from the peers' replicas, after every process read
-        host[b] = np.zeros(b[1], jnp.dtype(rec.dtype))
+        host[b] = np.zeros(b[1], cast or jnp.dtype(rec.dtype))
     by_dev = {}
     for box, devices in by_box.items():
         for i, d in enumerate(devices):
@@ -190,9 +205,11 @@ def restore_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader, where: s
         return None
     if rec.kind == "scalar":
         return decode_scalar(rec.value)
+    cast = _cast_to(rec, tgt)
     if tgt.kind == "numpy" or (tgt.kind == "value" and rec.kind.startswith("numpy")):
         full = (tuple(0 for _ in rec.shape), tuple(rec.shape))
-        arr = np.array(_host_boxes(rec, [full], reader, where, False)[full])
+        read = _host_boxes(rec, [full], reader, where, False)[full]
+        arr = np.array(read) if cast is None else read.astype(cast)
         if rec.kind == "numpy_scalar" and tgt.kind == "value":
             return arr[()]
         return arr
@@ -204,7 +221,7 @@ def restore_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader, where: s
         if reader.fills is not None:
             reader.fills[where].out, reader.fills[where].key_impl = key, rec.key_impl
         return key
-    return _to_jax(rec, sharding or _default_sharding(rec, where), reader, where)
+    return _to_jax(rec, sharding or _default_sharding(rec, where), reader, where, cast)
 
 
 def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
@@ -287,11 +304,15 @@ def _restore_item(item: ItemRecord, req: args_lib.RestoreRequest, reader: ChunkR
         values = restore_leaves(records, targets, reader, item.name)
         return build_nested(list(zip(saved_paths, values, strict=True)))
     pairs, treedef = flatten(req.item)
-    idx = match_target(saved_paths, [p for p, _ in pairs], partial=req.partial, where=where)
+    wanted = [(p, leaf) for p, leaf in pairs if leaf is not PLACEHOLDER]
+    idx = match_target(saved_paths, [p for p, _ in wanted], partial=req.partial, where=where,
+                       placeholders=tuple(p for p, leaf in pairs if leaf is PLACEHOLDER))
     records = [item.leaves[i] for i in idx]
     targets = [target_for(leaf, metadata.restore_arg_for(req.restore_args, p))
-               for p, leaf in pairs]
-    return unflatten(treedef, restore_leaves(records, targets, reader, item.name))
+               for p, leaf in wanted]
+    read = iter(restore_leaves(records, targets, reader, item.name))
+    return unflatten(treedef, [leaf if leaf is PLACEHOLDER else next(read)
+                               for _, leaf in pairs])
 
 
 def _settled(out: dict, holes: dict[str, Hole], filled: dict[str, jax.Array],

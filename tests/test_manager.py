@@ -123,8 +123,6 @@ def test_restore_onto_fewer_devices_and_other_specs(tmp_path, mesh):
      r"target has leaves the checkpoint lacks.*'extra'"),
     (lambda t: t["params"].update(w=jax.ShapeDtypeStruct((16, 32), jnp.float32)),
      r"\['params'\]\['w'\].*shape \(32, 16\).*\(16, 32\)"),
-    (lambda t: t["params"].update(w=jax.ShapeDtypeStruct((32, 16), jnp.float16)),
-     r"\['params'\]\['w'\].*dtype float32.*float16"),
     (lambda t: t.update(rng=jax.ShapeDtypeStruct((), jnp.uint32)), r"\['rng'\].*key<"),
 ])
 def test_wrong_target_names_the_leaf_and_loses_nothing(tmp_path, mesh, mutate, msg):
