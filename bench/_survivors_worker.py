@@ -30,6 +30,7 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 opt = p.parse_args(ctx.extra)
 victims = {int(i): int(s) for i, s in (v.split(":") for v in opt.victims.split(",") if v)}
 
+import copy  # noqa: E402
 import functools  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,42 +40,60 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from resilient_ckpt.elastic import Elastic, RecoveryPolicy, shrink_data_axis  # noqa: E402
 
+
+def build(mesh):
+    """The step for `mesh`, compiled ahead of time (the loop builds the one of
+    the likely smaller mesh in the background, so none compiles on recovery):
+    mh's step, and the sum of a probe sharded over the replica axis, the
+    collective a data-parallel step's gradients need and a lost process fails."""
+    c = copy.copy(ctx)
+    c.mesh = mesh
+    mh._bind(c)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    step = c.step_fn.lower(c.abstract(mesh), scalar).compile()
+    n = mesh.shape["replica"]
+    probe = jax.make_array_from_callback((n,), NamedSharding(mesh, P("replica")),
+                                         lambda i: np.ones(n, np.float32)[i])
+    allreduce = jax.jit(jnp.sum).lower(probe).compile()
+
+    def run(st, s):
+        return step(st, np.int32(s)), allreduce(probe)
+    return run
+
+
 mngr = mh.ours(ctx, ram_every=1, ram_keep=2, local_every=opt.local_every, local_keep=2)
 el = Elastic(mngr, ctx.mesh, data_axis="replica", rescale_every_s=1e9,
              choose_mesh=functools.partial(shrink_data_axis, data_axis="replica",
                                            divisor=False),
-             retry=RecoveryPolicy(max_attempts=3, max_wait_s=60))
+             retry=RecoveryPolicy(max_attempts=3, max_wait_s=60), build=build)
 mh.report({"event": "opened", "t": time.time(), "init_s": ctx.init_s})
 
 
 @el.run
 def train(mesh):
-    # A data-parallel step all-reduces across the replicas (its gradients);
-    # mh's step has no collective, so each step also sums a probe sharded over
-    # the replica axis: the collective that a lost process fails.
     ctx.mesh = mesh
-    mh._bind(ctx)  # mh's step, shardings and abstract state on this mesh
-    n = mesh.shape["replica"]
-    probe = jax.make_array_from_callback((n,), NamedSharding(mesh, P("replica")),
-                                         lambda i: np.ones(n, np.float32)[i])
-    allreduce = jax.jit(jnp.sum)
-
-    def step(st, s):
-        return ctx.train_step(st, s), allreduce(probe)
-
+    mh._bind(ctx)  # shardings and abstract state on this mesh
+    built_ahead = el.compiled(mesh)
+    t0 = time.perf_counter()
+    step = el.program(mesh)
+    program_s = time.perf_counter() - t0
     state, start = el.restore(ctx.abstract(mesh), ctx.initial_state)
     if el.timeline:
         jax.block_until_ready(state)
-        mh.report({"event": "restored", "step": start, "t": time.time(),
+        t_restored, t0 = time.time(), time.perf_counter()
+        bad = ctx.check_exact(state, start)  # timed: the bench takes it off the recovery
+        mh.report({"event": "restored", "step": start, "t": t_restored,
+                   "built_ahead": built_ahead, "program_s": program_s,
                    "bytes": dict(mngr.last_restore.bytes_by_tier),
-                   "mismatches": len(ctx.check_exact(state, start))})
+                   "mismatches": len(bad), "check_s": time.perf_counter() - t0})
     for s in range(start + 1, opt.steps + 1):
         if victims.get(ctx.pid) == s:
             mh.mark("dying")
             time.sleep(600)
         state, _ = el.step(step, state, s)
+        t_step = time.time()
         el.save(s, state)
-        mh.report({"event": "step", "step": s, "t": time.time()})
+        mh.report({"event": "step", "step": s, "t": time.time(), "save_s": time.time() - t_step})
         if opt.step_sleep:
             time.sleep(opt.step_sleep)
     return state

@@ -629,6 +629,7 @@ def _bind(ctx):
                    for shape, d, _ in ctx.shapes.values())
 
     ctx.sharding, ctx.initial_state, ctx.train_step = sharding, initial_state, train_step
+    ctx.step_fn = step_fn  # jit of (state, int32 step), for ahead-of-time compiles
     ctx.abstract, ctx.check_exact, ctx.matching_steps = abstract, check_exact, matching_steps
     ctx.target_bytes, ctx.state_bytes = target_bytes, state_bytes
     ctx.expected = lambda step: expected(step, ctx.shapes)

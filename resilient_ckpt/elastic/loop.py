@@ -105,8 +105,9 @@ class Elastic:
     AOT-compiled step, `jax.jit(f).lower(abstract).compile()`, and the abstract
     state); `program(mesh)` returns it, cached per mesh. With it the loop
     builds ahead of time, in a background thread, the programs for the
-    `precompile` likeliest smaller meshes (each one data row lost) once the
-    first step is done (`compiled(mesh)` says whether one is ready), and for
+    `precompile` likeliest smaller meshes (one more data row lost) once the
+    first step on each mesh is done (`compiled(mesh)` says whether one is
+    ready; with several processes, only meshes this process is part of), and for
     a larger mesh as soon as lost devices are back (scaling up at the first
     save point after it is built, or after
     `grow_wait_s`, whichever comes first), so no compile sits on the recovery
@@ -255,7 +256,8 @@ class Elastic:
         saved = self.manager.save(step, args=args, **save_kwargs)
         self._rec.saved(step)
         if self._programs is not None:
-            self._programs.start_likely(self._choose, self.full_mesh, self._data_axis)
+            self._programs.start_likely(self._choose, self.full_mesh, self._data_axis,
+                                        self.mesh)
         if self.mesh == self.full_mesh:
             self.reserve.start(lambda: likely_meshes(self._choose, self.full_mesh,
                                                      self._data_axis, 1))

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -24,15 +25,21 @@ from .mesh import ChooseMesh, mesh_key
 log = logging.getLogger("resilient_ckpt.elastic")
 
 
-def likely_meshes(choose: ChooseMesh, full_mesh: Mesh, data_axis: str, n: int) -> list[Mesh]:
-    """The meshes `choose` would pick after losing one data row of
-    `full_mesh`, last rows first, distinct, up to n."""
-    rows = np.moveaxis(full_mesh.devices, full_mesh.axis_names.index(data_axis), 0)
-    every = set(full_mesh.devices.flat)
+def likely_meshes(choose: ChooseMesh, full_mesh: Mesh, data_axis: str, n: int,
+                  current: Mesh | None = None) -> list[Mesh]:
+    """The meshes `choose` would pick after losing one data row of `current`
+    (default `full_mesh`), last rows first, distinct, up to n. In a job of
+    several processes, only meshes with a device of this process: the others
+    are programs this process would never run."""
+    current = current if current is not None else full_mesh
+    rows = np.moveaxis(current.devices, current.axis_names.index(data_axis), 0)
+    every = set(current.devices.flat)
+    me = jax.process_index()
     out: dict[tuple, Mesh] = {}
     for r in reversed(range(rows.shape[0])):
         m = choose(every - set(rows[r].flat), full_mesh)
-        if m is not None and m.size < full_mesh.size:
+        if (m is not None and m.size < current.size
+                and any(d.process_index == me for d in m.devices.flat)):
             out.setdefault(mesh_key(m), m)
     return list(out.values())[:n]
 
@@ -47,15 +54,18 @@ class Programs:
         self._lock = threading.Lock()
         self._futures: dict[tuple, cf.Future] = {}
         self._precompile = precompile
-        self._likely_started = precompile <= 0
+        self._likely_from: set[tuple] = set()  # the meshes start_likely ran for
 
-    def start_likely(self, choose: ChooseMesh, full_mesh: Mesh, data_axis: str) -> None:
-        """Once (after the first completed step): builds the programs of the
-        `precompile` likeliest smaller meshes in the background."""
-        if self._likely_started:
+    def start_likely(self, choose: ChooseMesh, full_mesh: Mesh, data_axis: str,
+                     current: Mesh | None = None) -> None:
+        """Once per mesh trained on (after its first completed step): builds
+        in the background the programs of the `precompile` likeliest meshes
+        left after one more data row of it is lost."""
+        current = current if current is not None else full_mesh
+        if self._precompile <= 0 or mesh_key(current) in self._likely_from:
             return
-        self._likely_started = True
-        self.start(likely_meshes(choose, full_mesh, data_axis, self._precompile))
+        self._likely_from.add(mesh_key(current))
+        self.start(likely_meshes(choose, full_mesh, data_axis, self._precompile, current))
 
     def start(self, meshes: Sequence[Mesh]) -> None:
         """Builds, one after the other in a background thread, those not yet
