@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import functools
 import json
 import threading
 import time
@@ -634,3 +635,31 @@ def test_elastic_demo_end_to_end():
     for text in ("recovery timeline", "failure   8", "6 (ram 100%)", "scale_up  15",
                  "15 (live 100%)", "loss at the end"):
         assert text in out.stdout, out.stdout
+
+
+def test_programs_are_built_ahead_for_the_mesh_after_the_next_loss(mesh, devices):
+    """After a loss the likely next mesh is one more row lost from the mesh
+    trained on now, not from the full one; each mesh's likely next is built
+    once, in the background."""
+    from resilient_ckpt.elastic.programs import Programs, likely_meshes
+    choose = functools.partial(shrink_data_axis, divisor=False)
+    small = choose(set(devices[:6]), mesh)               # devices 6 and 7 were lost
+    assert mesh_ids_of(small) == tuple(range(6))
+    [after_full] = likely_meshes(choose, mesh, "data", 1)
+    [after_small] = likely_meshes(choose, mesh, "data", 1, current=small)
+    assert mesh_ids_of(after_full) == tuple(range(6))
+    assert mesh_ids_of(after_small) == tuple(range(4))   # its last row (4, 5) lost too
+    built: list[tuple] = []
+    done = threading.Semaphore(0)
+
+    def build_ids(m):
+        built.append(mesh_ids_of(m))
+        done.release()
+        return m
+    programs = Programs(build_ids, precompile=1)
+    for current in (mesh, mesh, small, small):
+        programs.start_likely(choose, mesh, "data", current)
+    assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    assert not done.acquire(timeout=0.5)                 # each mesh's next built once
+    assert sorted(built) == [tuple(range(4)), tuple(range(6))]
+    assert programs.built(after_small) and programs.built(after_full)
