@@ -2,8 +2,10 @@
 
 The public namespace: the Orbax-compatible manager and its options, the tier
 configurations, every record and type it returns, the elastic loop, and the
-error hierarchy. Helpers for users' own tests are in `resilient_ckpt.testing`.
+error hierarchy; `training.Checkpointer`, Orbax's v1 training API over the
+same manager. Helpers for users' own tests are in `resilient_ckpt.testing`.
 """
+from . import training  # Orbax's v1 face: resilient_ckpt.training.Checkpointer
 from .commit import TierWrite
 from .elastic import (
     Elastic,
@@ -46,7 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # the manager and its configuration
-    "CheckpointManager", "CheckpointManagerOptions", "RamTier", "LocalTier", "GcsTier",
+    "CheckpointManager", "training", "CheckpointManagerOptions", "RamTier", "LocalTier", "GcsTier",
     "RetryPolicy", "Plan", "TierPlan", "Retention", "Tier",
     # what it returns
     "SaveRecord", "TierWrite", "RestoreRecord", "StepMetadata", "RootMetadata",

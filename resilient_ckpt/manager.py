@@ -196,6 +196,10 @@ class CheckpointManager:
     def is_saving_in_progress(self) -> bool:
         return bool(self._saver.pending())
 
+    def wait_for_step(self, step: int) -> None:
+        """Waits for this process's tier writes of `step` (no collective, raises nothing)."""
+        self._saver.wait_step(step)
+
     # ------------------------------------------------------------ delete
 
     def delete(self, step: int) -> None:
