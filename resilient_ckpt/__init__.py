@@ -42,13 +42,14 @@ from .restore import RestoreRecord
 from .saver import SaveRecord, Tier
 from .storage import Storage, StorageWrapper
 from .storage.retry import RetryPolicy
-from .tiers import GcsTier, LocalTier, RamTier
+from .tiers import FsspecTier, GcsTier, LocalTier, RamTier
 
 __version__ = "0.1.0"
 
 __all__ = [
     # the manager and its configuration
     "CheckpointManager", "training", "CheckpointManagerOptions", "RamTier", "LocalTier", "GcsTier",
+    "FsspecTier",
     "RetryPolicy", "Plan", "TierPlan", "Retention", "Tier",
     # what it returns
     "SaveRecord", "TierWrite", "RestoreRecord", "StepMetadata", "RootMetadata",

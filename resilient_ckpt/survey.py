@@ -51,6 +51,9 @@ def _open(e: TierEntry) -> Storage:
     if e.where.startswith("gs://"):
         from .storage.gcs import GcsStorage
         return GcsStorage(e.where)
+    if "://" in e.where:  # an FsspecTier's store (s3://, az://, file://)
+        from .storage.fsspec_store import open_url
+        return open_url(e.where, create=False)
     return FileStorage(e.where, e.kind, fsync=False, create=False)
 
 
@@ -59,8 +62,9 @@ def _override(spec: str) -> TierEntry:
     if not sep or not name or not where:
         raise ValueError(f"--tier {spec!r}: expected NAME=PATH (e.g. ram=/dev/shm/x, "
                          "local=/ckpt, gcs=gs://bucket/prefix)")
-    kind = "gcs" if where.startswith("gs://") else "ram" if name.startswith("ram") else "local"
-    return TierEntry(name, kind, where if kind == "gcs" else os.path.abspath(where))
+    kind = "gcs" if where.startswith("gs://") else "remote" if "://" in where \
+        else "ram" if name.startswith("ram") else "local"
+    return TierEntry(name, kind, where if "://" in where else os.path.abspath(where))
 
 
 def open_directory(path: str, overrides: Sequence[str] = ()) -> Directory:

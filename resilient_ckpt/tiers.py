@@ -4,7 +4,9 @@ Tiers are small frozen records composed into the manager's options, listed
 fastest first. `RamTier` is a directory under /dev/shm, so a restarted process on
 the same host still restores from memory; `LocalTier` is a directory on disk (a
 plain Orbax-style directory is one LocalTier); `GcsTier` is a gs://bucket/prefix
-(a gs:// directory given to the manager is one GcsTier). The RAM tier's
+(a gs:// directory given to the manager is one GcsTier); `FsspecTier` is any
+fsspec URL (s3://, az://, gs:// through gcsfs, file:// on a shared file
+system), always named by its own `url`. The RAM tier's
 directories are made 0700, and refused when another user could control them.
 """
 from __future__ import annotations
@@ -168,3 +170,60 @@ class GcsTier:
                              f"{directory!r} and url={self.url!r})")
         return GcsStorage(url, endpoint=self.endpoint, retry=self.retry,
                           concurrency=self.concurrency, piece_bytes=self.piece_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FsspecTier:
+    """A durable tier on an fsspec filesystem: `s3://bucket/prefix` (s3fs),
+    `az://container/prefix` (adlfs), `gs://bucket/prefix` (gcsfs, instead of
+    GcsTier's client) or `file:///mnt/shared/run` (a file system every host
+    mounts). The manager's directory stays a local path: `url` is required.
+
+    It runs as GcsTier does: uploads in the background from a faster tier's
+    committed copy, its own `every`/`keep` (None: the manager's options),
+    restores from it alone, `retry` for every request (the clients' own
+    retries off), `concurrency` objects in flight. `storage_options` go to the
+    filesystem as given (credentials, `client_kwargs={"endpoint_url": ...}`
+    for MinIO or a local server; docs/object_stores.md). Only a store with a
+    create-only write can commit steps; another is opened read-only or refused.
+    """
+
+    url: str = ""
+    every: int | None = None
+    keep: int | None = None
+    storage_options: dict | None = dataclasses.field(default=None, hash=False, compare=False)
+    codec: Codec = "raw"
+    level: int = 1
+    concurrency: int = 8
+    piece_bytes: int = 64 * 2**20
+    retry: RetryPolicy = RetryPolicy()
+    orphan_age_s: float = 3600.0
+    rank = 2  # tier order: fastest first
+
+    def __post_init__(self):
+        check_codec(self.codec, "FsspecTier.codec")
+        from .storage.fsspec_store import split_url
+        split_url(self.url)
+        if self.concurrency < 1:
+            raise ValueError(f"FsspecTier.concurrency must be >= 1, got {self.concurrency}")
+
+    @property
+    def kind(self) -> str:
+        """The tier's name: the store's (s3, az, gcs, file, or the protocol)."""
+        proto = self.url.partition("://")[0].lower()
+        return {"s3a": "s3", "gs": "gcs", "abfs": "az", "abfss": "az",
+                "local": "file"}.get(proto, proto)
+
+    def open(self, directory: str, create: bool) -> Storage:
+        del directory  # always its own url
+        from .storage.fsspec_store import open_url
+        st = open_url(self.url, self.storage_options, retry=self.retry,
+                      concurrency=self.concurrency, piece_bytes=self.piece_bytes,
+                      create=create)
+        if create and not st.create_only_commit:
+            st.close()
+            raise ValueError(f"FsspecTier({self.url!r}): this store has no create-only write, "
+                             "so two writers could commit one step; only s3://, gs://, az:// "
+                             "and file:// can be written (docs/object_stores.md). Open it "
+                             "with read_only=True to restore from it")
+        return st

@@ -42,3 +42,12 @@ def url(gcs):
     name = "t-" + uuid.uuid4().hex[:12]
     gcs.create_bucket(name)
     return f"gs://{name}/run"
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on 127.0.0.1 (a real HTTP server, no client mocks), for
+    the session; `s3.endpoint` is its URL, `s3.bucket()` makes a fresh bucket."""
+    from resilient_ckpt.testing.moto_s3 import MotoS3
+    with MotoS3() as server:
+        yield server

@@ -1,7 +1,8 @@
 """Retrying remote requests: which failures are transient, and how long to try.
 
 A request is retried on HTTP 408, 429 and 5xx, on connection resets and
-refusals, on timeouts, and on bodies cut short, until the request's deadline;
+refusals, on timeouts, and on bodies cut short (as google-cloud-storage,
+requests, botocore and aiohttp report them), until the request's deadline;
 everything else (404, 403, 412, a bad request) is final at once. The waits
 follow GCS's documented truncated exponential backoff: the bound starts at
 `initial_s` (1 s), grows by `multiplier` (2) up to `max_delay_s` (32 s), and
@@ -73,6 +74,9 @@ def http_status(e: BaseException) -> int | None:
     if isinstance(code, int) and 100 <= code < 600:
         return code
     resp = getattr(e, "response", None)  # requests and resumable-media errors
+    if isinstance(resp, dict):  # botocore's ClientError (S3 through s3fs)
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status if isinstance(status, int) else None
     status = getattr(resp, "status_code", None)
     return status if isinstance(status, int) else None
 
@@ -81,8 +85,12 @@ def retry_after(e: BaseException, now: float | None = None) -> float | None:
     """Seconds the server asked us to wait (a `Retry-After` header on the
     answer `e` carries: delta-seconds or an HTTP date), or None."""
     headers = getattr(e, "headers", None)  # our own requests' errors (gcs_upload._Status)
+    resp = getattr(e, "response", None)
+    if headers is None and isinstance(resp, dict):  # botocore: lower-cased names
+        headers = {k.title(): v for k, v in
+                   resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).items()}
     if headers is None:
-        headers = getattr(getattr(e, "response", None), "headers", None)  # the client's
+        headers = getattr(resp, "headers", None)  # the client's
     value = headers.get("Retry-After") if headers is not None else None
     if not isinstance(value, str) or not value.strip():
         return None
@@ -124,9 +132,30 @@ def is_transient(e: BaseException) -> bool:
             return True
     except ImportError:
         pass
+    if _fsspec_transient(e):
+        return True
     # A cause chain may hide the real failure (requests wraps urllib3 wraps socket).
     inner = e.__cause__ or e.__context__
     return inner is not None and inner is not e and is_transient(inner)
+
+
+def _fsspec_transient(e: BaseException) -> bool:
+    """Connection-level failures of the S3 (botocore, aiohttp) clients under
+    s3fs; they do not derive from the builtin ConnectionError."""
+    try:
+        import botocore.exceptions as bx
+        if isinstance(e, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError,
+                          bx.ResponseStreamingError)):
+            return True
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+        if isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+            return True
+    except ImportError:
+        pass
+    return False
 
 
 def call(fn: Callable[[], T], policy: RetryPolicy, what: str,

@@ -1,4 +1,5 @@
-"""A fault-injecting HTTP proxy for testing GCS clients against a real server.
+"""A fault-injecting HTTP proxy for testing GCS clients against a real server
+(and S3 clients: any plain-HTTP API, moto's server included).
 
 `FaultProxy(upstream)` listens on 127.0.0.1 and forwards every request to
 `upstream` (fake-gcs-server, say). For a chosen fraction of requests it
@@ -212,7 +213,8 @@ class FaultProxy:
             payload = r.read()
             out = []
             for k, v in r.getheaders():
-                if k.lower() in _HOP:
+                # a HEAD's Content-Length is the object's size (S3 clients read it)
+                if k.lower() in _HOP and (h.command, k.lower()) != ("HEAD", "content-length"):
                     continue
                 if k.lower() == "location":
                     v = v.replace(self.upstream, self.endpoint)
@@ -241,9 +243,11 @@ def _read_body(h) -> bytes:
 
 def _answer(h, status: int, headers, payload: bytes) -> None:
     h.send_response(status)
-    for k, v in (headers.items() if isinstance(headers, dict) else headers):
+    items = list(headers.items() if isinstance(headers, dict) else headers)
+    for k, v in items:
         h.send_header(k, v)
-    h.send_header("Content-Length", str(len(payload)))
+    if not any(k.lower() == "content-length" for k, _ in items):
+        h.send_header("Content-Length", str(len(payload)))
     h.end_headers()
     if h.command != "HEAD" and payload:
         h.wfile.write(payload)
