@@ -244,10 +244,8 @@ class Coordinator:
             # The same on every process: the targets are the same.
             raise _Abandoned([(-1, ["fallback", f"{wanted} have shards no process read, "
                                                 "and no replica axis to fill them from"])])
-        filled, ok = {}, True
-        for w in wanted:
-            filled[w], good = peer_fill.fill(holes[w].array, holes[w].have)
-            ok = ok and good
+        arrays, ok = peer_fill.fill_all([(holes[w].array, holes[w].have) for w in wanted])
+        filled = dict(zip(wanted, arrays, strict=True))
         views = self.peers.exchange(f"restore of step {step} (filled from peers)", {"ok": ok})
         short = [self.peers.live[q] for q, v in enumerate(views) if not v["ok"]]
         if short:

@@ -1,0 +1,61 @@
+"""The peer fill on 8 CPU devices in one process: shards the replica-1
+devices did not read come back from replica 0, bit for bit, for leaves of
+several dtypes, layouts and sizes packed into one program; and a shard no
+replica read is reported, not made up. (The multi-process fill of a lost
+host's RAM is tests/test_multihost.py's.)"""
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from resilient_ckpt import peer_fill
+
+
+@pytest.fixture(scope="module")
+def mesh3():
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("replica", "data", "model"))
+
+
+def _leaves(mesh3):
+    rng = np.random.default_rng(0)
+    out = []
+    for shape, dtype, spec in [((8, 6), np.float32, P("data", "model")),
+                               ((4, 10), ml_dtypes.bfloat16, P(None, "model")),
+                               ((3,), np.int8, P()),
+                               ((6, 4), np.bool_, P("model", "data")),
+                               ((2, 2, 2), np.uint32, P("data")),
+                               ((4096 + 8, 2), np.float32, P("data", "model"))]:
+        host = rng.standard_normal(shape).astype(dtype) if dtype != np.bool_ \
+            else rng.random(shape) > 0.5
+        out.append((host, jax.device_put(host, NamedSharding(mesh3, spec))))
+    return out
+
+
+def _zeroed(array, have):
+    """`array` with the shards of the devices that did not read theirs zeroed."""
+    shards = [jax.device_put(np.asarray(s.data) if have[s.device]
+                             else np.zeros_like(np.asarray(s.data)), s.device)
+              for s in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
+
+
+def test_replica_0s_shards_fill_the_others_exactly(mesh3):
+    first = set(mesh3.devices[0].flat)
+    have = {d: d in first for d in mesh3.devices.flat}
+    leaves = _leaves(mesh3)
+    holes = [(_zeroed(a, have), have) for _, a in leaves]
+    filled, ok = peer_fill.fill_all(holes, group_bytes=64 * 1024)  # several programs
+    assert ok
+    for (host, a), got in zip(leaves, filled, strict=True):
+        assert got.sharding == a.sharding and got.dtype == a.dtype
+        for s in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
+
+
+def test_a_shard_no_replica_read_is_reported(mesh3):
+    lost = set(mesh3.devices[:, 1].flat)  # data row 1 of both replicas
+    have = {d: d not in lost for d in mesh3.devices.flat}
+    host, a = _leaves(mesh3)[0]
+    _, ok = peer_fill.fill_all([(_zeroed(a, have), have)])
+    assert not ok
