@@ -7,13 +7,15 @@ one-value handlers' args, ArraySave/Restore, JaxRandomKeySave/Restore and
 NumpyRandomKeySave/Restore, whose value is kept as a pytree item of one leaf
 (or of the key's parts). ProtoSave/Restore and args of handlers registered by
 users are refused with an error naming the item, the class and what to use.
-It also owns the constructor's `item_names`: which Composite items a manager
-may save and restore.
+It also owns the constructor's `item_names` (which Composite items a manager
+may save and restore) and the item mode (`ItemMode`: whether its calls take
+single-item args or Composite args).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import ItemNotFoundError, UnsupportedArgsError
@@ -66,6 +68,73 @@ def declared_items(item_names: Any, item_handlers: Any) -> frozenset[str] | None
         return None
     return frozenset(item_names or ()) | frozenset(
         item_handlers if isinstance(item_handlers, dict) else ())
+
+
+class ItemMode:
+    """Orbax's item mode: once set, a manager's save and restore args are all
+    single-item or all `Composite`, and the other kind raises ValueError.
+
+    Set at open by `item_names` or `item_handlers` (a mapping: Composite; one
+    handler: single) or by legacy `checkpointers`; else by the first save (its
+    args' kind) or the first restore or step metadata (Composite unless the
+    step holds an item named "default", as Orbax reads a step; a step that is
+    not there reads as Composite). `lock=False` (the option `lock_item_mode`)
+    sets and checks nothing.
+    """
+
+    def __init__(self, lock: bool, checkpointers: Any = None, item_names: Any = None,
+                 item_handlers: Any = None):
+        self.lock = lock
+        self.composite: bool | None = None  # unset
+        if checkpointers is not None:
+            self.composite = isinstance(checkpointers, Mapping)
+        elif item_names is not None or item_handlers is not None:
+            self.composite = item_handlers is None or isinstance(item_handlers, Mapping)
+
+    def save_args(self, args: Any, items: Any) -> Any:
+        """A save's args (legacy `items=` as StandardSave), after setting the
+        mode from them if unset and checking them against it."""
+        if self.lock and (args is not None or items is not None):
+            if self.composite is None:
+                self.composite = args is not None and _is_composite(args)
+            self._check(args, "save")
+        return legacy_args(args, items, "StandardSave")
+
+    def restore_args(self, args: Any, items: Any,
+                     step_is_composite: Callable[[], bool | None]) -> Any:
+        """A restore's args (legacy `items=` as StandardRestore; None for
+        every item as saved), after setting the mode if unset from the step
+        read (`step_is_composite`, None when there is none) and checking them."""
+        if self.lock:
+            if self.composite is None:
+                self.composite = step_is_composite()
+            self._check(args, "restore")
+        return legacy_args(args, items, "StandardRestore")
+
+    def _check(self, args: Any, what: str) -> None:
+        if args is None or self.composite is None or _is_composite(args) == self.composite:
+            return
+        if self.composite:
+            raise ValueError(
+                f"{what} got {_name(args)}, but this manager works with Composite args "
+                "(set by item_names, or by its first save or restore): pass "
+                "ocp.args.Composite(<item name>=...), or create the manager with "
+                "CheckpointManagerOptions(lock_item_mode=False) to mix both kinds")
+        raise ValueError(
+            f"{what} got Composite args, but this manager works with single-item args "
+            "(set by its first save or restore): pass one args object such as "
+            "ocp.args.StandardSave(state), or create the manager with "
+            "CheckpointManagerOptions(lock_item_mode=False) to mix both kinds")
+
+
+def legacy_args(args: Any, items: Any, kind: str) -> Any:
+    """Orbax's legacy `items=` form as `ocp.args.<kind>(items)`; a save needs one."""
+    if args is not None or (items is None and kind.endswith("Restore")):
+        return args
+    if items is None:
+        raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
+    import orbax.checkpoint as ocp
+    return getattr(ocp.args, kind)(items)
 
 
 def _require_composite(args: Any, declared: frozenset[str] | None, what: str) -> None:

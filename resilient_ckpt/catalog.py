@@ -71,14 +71,16 @@ class JobView:
                times: dict[int, float] | None = None) -> list[int]:
         """Retention from the agreed view, so every host keeps the same steps:
         only steps the tier holds every share of take slots; the newest such
-        step and the newest viable one are kept. Leftovers this host holds of
+        step and the newest viable one are kept (unless `rule.keep_newest`
+        is False). Leftovers this host holds of
         steps older than every kept one (a save a peer never finished) go too,
         which bounds a per-host tier. `own`: the steps this host's copy of the
         tier holds; `pinned`: steps an upload here still reads; `times`: when
         each step's save started (for a preservation policy)."""
         complete = self.complete_in(tier)
-        protected = frozenset(({max(self.steps)} if self.steps else set())
-                              | ({complete[-1]} if complete else set()))
+        protected = frozenset((({max(self.steps)} if self.steps else set())
+                               | ({complete[-1]} if complete else set()))
+                              if rule.keep_newest else ())
         doomed = set(_to_delete(tier, complete, keep, rule, metrics, protected, times))
         kept = [s for s in complete if s not in doomed]
         if keep is not None and kept:
@@ -314,10 +316,11 @@ class Catalog:
         steps = [s for s in sorted(own) if s in viable]
         # Kept besides: the newest step restorable at all, the newest restorable
         # from this tier alone (so GCS never loses its last complete step to one
-        # that only the RAM tier can complete), and steps an upload is reading.
+        # that only the RAM tier can complete), and steps an upload is reading
+        # (only the last with `keep_newest=False`, which asks for Orbax's rule alone).
         alone = selection.viable({s: [ts] for s, ts in own.items()}, [tier], bad)
-        protected = frozenset(({max(viable)} if viable else set()) | set(pinned)
-                              | ({max(alone)} if alone else set()))
+        newest = ({max(viable)} if viable else set()) | ({max(alone)} if alone else set())
+        protected = frozenset(set(pinned) | (newest if rule.keep_newest else set()))
         metrics = {s: c.manifest.metrics for s, c in viable.items()}
         return _to_delete(tier, steps, keep, rule, metrics, protected,
                           {s: c.created for s, c in viable.items()})
@@ -358,7 +361,8 @@ def _to_delete(tier: str, steps: Sequence[int], keep: int | None, rule: Retentio
         steps, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
         best_mode=rule.best_mode, metrics=metrics,
         keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected,
-        policy=rule.policy if tier in rule.policy_tiers else None, times=times)
+        policy=rule.policy if tier in rule.policy_tiers else None, times=times,
+        keep_newest=rule.keep_newest)
 
 
 def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: dict,

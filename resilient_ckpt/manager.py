@@ -48,11 +48,12 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, checkpointers: Any = None,
                  options: Any = None, metadata: Any = None, item_names: Any = None,
                  item_handlers: Any = None, logger: Any = None, handler_registry: Any = None):
-        del checkpointers, logger, handler_registry
+        del logger, handler_registry
         self._options = o = CheckpointManagerOptions.from_any(options)
         _preflight(directory, o)  # before anything is opened
         self._directory = epath.Path(directory)
         self._declared = args_lib.declared_items(item_names, item_handlers)
+        self._mode = args_lib.ItemMode(o.lock_item_mode, checkpointers, item_names, item_handlers)
         self._plan = plan = resolve(o, str(self._directory))
         storages = {t.name: t.config.open(str(self._directory), plan.writable) for t in plan.tiers}
         home = os.path.abspath(str(self._directory))
@@ -162,7 +163,7 @@ class CheckpointManager:
 
     def _save(self, step: int, items: Any, metrics: Any, force: bool | None, args: Any,
               custom_metadata: dict | None) -> bool:
-        item_list, _ = args_lib.save_items(_orbax_args(args, items, "StandardSave"), self._declared)
+        item_list, _ = args_lib.save_items(self._mode.save_args(args, items), self._declared)
         if self._options.read_only:
             log.warning("%s is read only; save of step %d skipped", self._directory, step)
             return False
@@ -226,9 +227,8 @@ class CheckpointManager:
         to older ones, with a warning, when chunks of the newest are corrupt)."""
         del restore_kwargs
         if directory is not None and str(directory) != str(self._directory):
-            return _restore_elsewhere(directory, self._options, step, items, args)
-        if args is None and items is not None:
-            args = _orbax_args(args, items, "StandardRestore")
+            return _restore_elsewhere(self, directory, step, items, args)
+        args = self._mode.restore_args(args, items, functools.partial(_composite_step, self, step))
         requests, is_composite = args_lib.restore_requests(args, self._declared)
         self._saver.wait_for_restore(step, lambda s: s in self.catalog.steps())
         self._coord.refresh("restore")
@@ -265,10 +265,11 @@ class CheckpointManager:
             return self._root.get()
         self._saver.wait_step(step)
         c = self.catalog.choice(step)
-        if c is None and step in self.catalog.orbax_steps():
-            return legacy.metadata(str(self._directory), self._plan.naming, step)
-        if c is None:
+        if c is None and step not in self.catalog.orbax_steps():
             raise StepNotFoundError(f"step {step} has no viable copy in {self._directory}")
+        self._mode.restore_args(None, None, functools.partial(_composite_step, self, step))
+        if c is None:
+            return legacy.metadata(str(self._directory), self._plan.naming, step)
         return metadata.step_metadata(c.manifest)
 
     # ------------------------------------------------------------ lifecycle
@@ -338,11 +339,13 @@ def _preflight(directory: Any, o: CheckpointManagerOptions) -> None:
         raise FileNotFoundError(f"{directory} does not exist and options.create=False")
 
 
-def _restore_elsewhere(directory: Any, options: CheckpointManagerOptions, step: int | None,
+def _restore_elsewhere(m: CheckpointManager, directory: Any, step: int | None,
                        items: Any, args: Any) -> Any:
-    """`restore(directory=...)`: a read-only manager of that directory, for one restore."""
+    """`restore(directory=...)`: a read-only manager of that directory, for one
+    restore, under `m`'s item mode (which that restore may set)."""
     other = CheckpointManager(directory, options=dataclasses.replace(
-        options, tiers=(), read_only=True, cleanup_tmp_directories=False))
+        m._options, tiers=(), read_only=True, cleanup_tmp_directories=False))
+    other._mode = m._mode
     try:
         return other.restore(step, items=items, args=args)
     finally:
@@ -359,11 +362,18 @@ def _orbax_choice(step: int | None, ours: Any, orbax: set[int]) -> int | None:
     return step if step not in ours and step in orbax else None
 
 
-def _orbax_args(args: Any, items: Any, kind: str) -> Any:
-    """Orbax's legacy `items=` form as `ocp.args.<kind>(items)`."""
-    if args is not None:
-        return args
-    if items is None:
-        raise ValueError("save needs args=, e.g. args=ocp.args.StandardSave(state)")
-    import orbax.checkpoint as ocp
-    return getattr(ocp.args, kind)(items)
+def _composite_step(m: CheckpointManager, step: int | None) -> bool | None:
+    """Whether `step` (None: the latest) reads as a Composite step for Orbax's
+    item mode: it holds no item named "default" (a missing step holds none);
+    None when there is no step at all, or when this process cannot tell yet
+    (with several processes, a step whose manifest it holds none of)."""
+    step = m.latest_step() if step is None else step
+    if step is None:
+        return None
+    c = m.catalog.choice(step) or m.catalog.viable().get(step)
+    if c is not None:
+        return args_lib.DEFAULT_ITEM not in [it.name for it in c.manifest.items]
+    if step in m.catalog.steps() or step in m._coord.in_flight():
+        return None
+    return not os.path.exists(os.path.join(str(m.directory), m.naming.name(step),
+                                           args_lib.DEFAULT_ITEM))

@@ -14,12 +14,12 @@ from collections.abc import Callable, Container, Sequence
 from typing import Any, Literal
 
 from .layout import StepNaming
-from .tiers import GcsTier, LocalTier, RamTier
+from .tiers import FsspecTier, GcsTier, LocalTier, RamTier
 from .transfer import Encoding
 
 BestMode = Literal["min", "max"]
 OverBudget = Literal["wait", "skip"]
-TierConfig = RamTier | LocalTier | GcsTier
+TierConfig = RamTier | LocalTier | GcsTier | FsspecTier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,17 @@ class CheckpointManagerOptions:
     that would take `save_interval_steps`; a tier with its own `every` (a RAM
     tier) keeps it. A preservation policy replaces `max_to_keep`,
     `keep_period` and `best_fn` (which still ranks `best_step`) for the tiers
-    that would take `max_to_keep`; a tier's own `keep` stays its own. As
-    always, the newest viable step is never deleted (docs/orbax_differences.md).
+    that would take `max_to_keep`; a tier's own `keep` stays its own.
+    `keep_newest_step`: retention never deletes the newest viable step (nor a
+    tier's newest step, nor the newest one a tier can restore alone), so a
+    job can always resume where it stopped; False deletes exactly what
+    Orbax's rules (or policy) decide, the step just saved included, in every
+    tier (steps an upload still reads are kept until it ends).
+    `lock_item_mode`: as Orbax, after the first save or restore (or from the
+    start, with `item_names` or `item_handlers`) every call takes only
+    single-item args or only `Composite` args, and the other kind raises
+    ValueError; False accepts either kind on every call
+    (docs/orbax_differences.md).
     """
 
     save_interval_steps: int = 1
@@ -82,6 +91,8 @@ class CheckpointManagerOptions:
     save_decision_policy: Any = None
     preservation_policy: Any = None
     enable_should_save_is_saving_in_progress_check: bool = True
+    keep_newest_step: bool = True
+    lock_item_mode: bool = True
 
     def __post_init__(self):
         if self.best_mode not in ("min", "max"):
@@ -155,6 +166,7 @@ class Retention:
     keep_without_metrics: bool = True
     policy: Any = None  # a preservation policy, for the tiers named in `policy_tiers`
     policy_tiers: frozenset[str] = frozenset()
+    keep_newest: bool = True  # never delete the newest step (False: Orbax's rule alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +218,7 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
         keep = t.keep if own_keep else o.max_to_keep
         if not own_keep and o.preservation_policy is not None:
             by_policy.add(name)
-        gcs = t if isinstance(t, GcsTier) else None
+        gcs = t if isinstance(t, (GcsTier, FsspecTier)) else None
         tiers.append(TierPlan(name, t, every, keep,
                               Encoding(gcs.codec, gcs.level) if gcs else Encoding(),
                               gcs.concurrency if gcs else None,
@@ -215,6 +227,6 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
                 StepNaming(o.step_prefix, o.step_format_fixed_length),
                 Retention(o.keep_period, o.best_fn, o.best_mode,
                           o.keep_checkpoints_without_metrics, o.preservation_policy,
-                          frozenset(by_policy)),
+                          frozenset(by_policy), o.keep_newest_step),
                 writable=o.create and not o.read_only,
                 on_owning_hosts=o.write_on_owning_hosts)

@@ -4,8 +4,9 @@ Orbax's preservation rules, applied per tier: keep the newest `keep` steps (all
 when None), or with `best_fn` the best `keep` by metric (steps without metrics
 kept when `keep_checkpoints_without_metrics`); also keep every step that is a
 multiple of `keep_period`. With a preservation `policy` (Orbax's objects,
-policies.py) the policy alone decides instead. Never delete the tier's newest
-step, nor any step in `protected` (the manager passes its newest viable step).
+policies.py) the policy alone decides instead. Never delete any step in
+`protected`, nor (unless `keep_newest=False`, Orbax's own rule) the tier's
+newest step.
 """
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ def to_delete(steps: Sequence[int], keep: int | None, *, keep_period: int | None
               metrics: Mapping[int, Any] | None = None,
               keep_checkpoints_without_metrics: bool = True,
               protected: frozenset = frozenset(), policy: Any = None,
-              times: Mapping[int, float] | None = None) -> list[int]:
+              times: Mapping[int, float] | None = None, keep_newest: bool = True) -> list[int]:
     steps = sorted(set(steps))
     if not steps:
         return []
     metrics = metrics or {}
-    kept: set[int] = {steps[-1]} | (set(protected) & set(steps))
+    kept: set[int] = ({steps[-1]} if keep_newest else set()) | (set(protected) & set(steps))
     if policy is not None:  # `times`: when each step's save started
         infos = [policies.StepInfo.known(s, (times or {}).get(s), metrics.get(s)) for s in steps]
         return [s for s in steps if s not in kept | policies.preserved(policy, infos)]

@@ -377,7 +377,8 @@ def _options(options: Any, tiers: Sequence[TierConfig] | None, save_policy: Any,
                                      save_decision_policy=_default_save_policy())
     else:
         o = CheckpointManagerOptions.from_any(options)
-    changes: dict[str, Any] = {}
+    # Orbax v1 has no item mode: a step saved as one item loads, and saves go on.
+    changes: dict[str, Any] = {"lock_item_mode": False}
     if save_policy is not None:
         changes["save_decision_policy"] = save_policy
     if keep_policy is not None:

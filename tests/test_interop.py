@@ -55,7 +55,9 @@ def assert_exact(got, want):
 def ours(tmp_path, ram_path, mesh):
     """Step 5 (one item) and step 6 (composite) in a RAM and a local tier."""
     d = tmp_path / "ours"
-    opts = CheckpointManagerOptions(tiers=[RamTier(path=ram_path, keep=None), LocalTier()])
+    # lock_item_mode=False: one manager saves both kinds (Orbax's would refuse the second).
+    opts = CheckpointManagerOptions(tiers=[RamTier(path=ram_path, keep=None), LocalTier()],
+                                    lock_item_mode=False)
     with CheckpointManager(d, options=opts) as m:
         m.save(5, args=ocp.args.StandardSave(state(mesh, 5)), metrics={"loss": 0.5})
         m.save(6, args=ocp.args.Composite(state=ocp.args.StandardSave(state(mesh, 6)),

@@ -600,8 +600,10 @@ def test_documented_differences(tmp_path):
     with pytest.raises(FileNotFoundError):
         rc.CheckpointManager(tmp_path / "missing",
                              options=ocp.CheckpointManagerOptions(create=False))
-    # metrics are kept without best_fn; single-item and Composite saves may mix.
-    with rc.CheckpointManager(tmp_path / "mix") as m:
+    # metrics are kept without best_fn; with lock_item_mode=False, single-item
+    # and Composite saves may mix (Orbax raises; test_parity_modes.py).
+    with rc.CheckpointManager(tmp_path / "mix",
+                              options=rc.CheckpointManagerOptions(lock_item_mode=False)) as m:
         m.save(0, args=ocp.args.StandardSave({"x": np.arange(2)}), metrics={"loss": 1.0})
         m.save(1, args=ocp.args.Composite(s=ocp.args.StandardSave({"x": np.arange(2)})))
         m.wait_until_finished()

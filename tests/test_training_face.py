@@ -277,6 +277,7 @@ def test_face_and_manager_read_each_other(tmp_path):
         assert_same_tree(got["items"], state)
         assert got["cfg"] == {"a": [1, 2]}
         m.save(1, args=ocp.args.Composite(items=ocp.args.StandardSave(make_state(5))))
+    with rc.CheckpointManager(tmp_path) as m:  # a new manager: no item mode set yet
         m.save(2, args=ocp.args.StandardSave(make_state(6)))  # no Composite: item "default"
     with training.Checkpointer(tmp_path) as ck:
         assert [c.step for c in ck.checkpoints] == [0, 1, 2]
