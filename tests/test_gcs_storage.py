@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from resilient_ckpt import RetryPolicy, StorageError, commit, layout
-from resilient_ckpt.storage.gcs import READ_SPLIT, GcsStorage, parse_url
+from resilient_ckpt.storage.base import READ_SPLIT
+from resilient_ckpt.storage.gcs import GcsStorage, parse_url
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 
 FAST = RetryPolicy(deadline_s=20, attempt_timeout_s=5, initial_s=0.01, max_delay_s=0.05)

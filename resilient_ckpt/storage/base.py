@@ -25,7 +25,8 @@ StorageError (an OSError) naming the object's full path. `read(key,
 max_bytes=)` refuses an object larger than the caller expects before
 allocating for it (a manifest is small; whatever sits at its name may not be),
 and a failed `put_if_absent` sets `nothing_written` when the final name was
-certainly not created.
+certainly not created. `read_in_ranges` is the remote backends' shared way of
+reading a large object as parallel ranges.
 """
 from __future__ import annotations
 
@@ -147,3 +148,22 @@ def check_size(where: str, size: int, max_bytes: int | None) -> None:
         raise StorageError(errno.EFBIG, f"{where} is {size} bytes, more than the "
                                         f"{max_bytes} this read allows, so it was not "
                                         "read; check what wrote it there")
+
+
+# Larger reads of a remote object go as parallel ranges of this size: one
+# stream tops out well below what the server can do, and much smaller ranges
+# cost more in per-request overhead than they gain (docs/gcs.md).
+READ_SPLIT = 16 * 2**20
+
+
+def read_in_ranges(pool, read_range, out: memoryview, offset: int) -> None:
+    """`read_range(view, offset)` for `out` whole, or for each READ_SPLIT
+    slice of it in parallel on `pool` (a concurrent.futures executor)."""
+    view = memoryview(out).cast("B")
+    if len(view) <= READ_SPLIT:
+        read_range(view, offset)
+        return
+    futures = [pool.submit(read_range, view[a:a + READ_SPLIT], offset + a)
+               for a in range(0, len(view), READ_SPLIT)]
+    for f in futures:
+        f.result()

@@ -31,11 +31,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
-from .base import Storage, check_size
+from .base import Storage, check_size, read_in_ranges
 from .files import FileStorage
 from .retry import RetryPolicy, Transient, call
 
-READ_SPLIT = 16 * 2**20  # larger reads go as parallel ranges of this size
 # How each protocol writes an object only if absent, atomically on the server.
 _CREATE_ONLY: dict[str, dict[str, Any]] = {
     "s3": {"mode": "create"}, "s3a": {"mode": "create"},
@@ -219,15 +218,8 @@ class FsspecStorage(Storage):
         view[:] = got[:len(view)]
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
-        view = memoryview(out).cast("B")
-        if len(view) <= READ_SPLIT:
-            self._call(lambda: self._range(key, view, offset), "read of", key)
-            return
-        futures = [self._pool.submit(self._call, (lambda a=a: self._range(
-            key, view[a:a + READ_SPLIT], offset + a)), "read of", key)
-            for a in range(0, len(view), READ_SPLIT)]
-        for f in futures:
-            f.result()
+        read_in_ranges(self._pool, lambda v, at: self._call(
+            lambda: self._range(key, v, at), "read of", key), out, offset)
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         n = self.size(key)

@@ -30,11 +30,9 @@ import urllib.parse
 from collections.abc import Callable
 
 from ..errors import CheckpointError, StorageError
-from .base import Storage, check_size
+from .base import Storage, check_size, read_in_ranges
 from .gcs_upload import GcsUploads, _Status
 from .retry import RetryPolicy, Transient, call, http_status
-
-READ_SPLIT = 16 * 2**20  # larger reads go as parallel ranges of this size
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -186,19 +184,8 @@ class GcsStorage(Storage):
             resp.close()
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
-        view = memoryview(out).cast("B")
-        step = READ_SPLIT
-        if len(view) <= step:
-            self._call(lambda: self._get_into(key, view, offset), "read of", key)
-            return
-        # Large objects come as parallel ranges: one stream tops out well below
-        # what the server can do, and much smaller ranges cost more in
-        # per-request overhead than they gain (docs/gcs.md).
-        futures = [self._pool.submit(self._call, (lambda a=a: self._get_into(
-            key, view[a:a + step], offset + a)), "read of", key)
-            for a in range(0, len(view), step)]
-        for f in futures:
-            f.result()
+        read_in_ranges(self._pool, lambda v, at: self._call(
+            lambda: self._get_into(key, v, at), "read of", key), out, offset)
 
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         def attempt() -> bytes:
