@@ -663,3 +663,7 @@ def test_programs_are_built_ahead_for_the_mesh_after_the_next_loss(mesh, devices
     assert not done.acquire(timeout=0.5)                 # each mesh's next built once
     assert sorted(built) == [tuple(range(4)), tuple(range(6))]
     assert programs.built(after_small) and programs.built(after_full)
+    programs.drop([5])                                   # a loss drops (0..5)'s program
+    programs.start_likely(choose, mesh, "data", mesh)    # back on the full mesh: again
+    assert done.acquire(timeout=60) and built[-1] == tuple(range(6))
+    assert programs.built(after_full) and programs.built(after_small)

@@ -126,8 +126,10 @@ class Programs:
 
     def drop(self, lost_ids: Iterable[int]) -> None:
         """Forgets the programs of meshes with a lost device (their executables
-        name it), as jax.clear_caches() does for jit's own cache."""
+        name it), as jax.clear_caches() does for jit's own cache; each mesh's
+        likely next ones are planned again (one of them may be among those)."""
         lost = set(lost_ids)
         with self._lock:
             for key in [k for k in self._futures if lost.intersection(k[2])]:
                 del self._futures[key]
+            self._likely_from.clear()
