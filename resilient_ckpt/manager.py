@@ -364,16 +364,19 @@ def _orbax_choice(step: int | None, ours: Any, orbax: set[int]) -> int | None:
 
 def _composite_step(m: CheckpointManager, step: int | None) -> bool | None:
     """Whether `step` (None: the latest) reads as a Composite step for Orbax's
-    item mode: it holds no item named "default" (a missing step holds none);
-    None when there is no step at all, or when this process cannot tell yet
-    (with several processes, a step whose manifest it holds none of)."""
+    item mode: it holds no item named "default". None, which sets no mode,
+    when there is no such step (Orbax reads a missing step as Composite and
+    raises a mode error where ours raises StepNotFoundError, and a manager of
+    single-item steps would stay locked out of them), or when this process
+    cannot tell yet (with several processes, a step whose manifest it holds
+    none of)."""
     step = m.latest_step() if step is None else step
     if step is None:
         return None
     c = m.catalog.choice(step) or m.catalog.viable().get(step)
     if c is not None:
         return args_lib.DEFAULT_ITEM not in [it.name for it in c.manifest.items]
-    if step in m.catalog.steps() or step in m._coord.in_flight():
+    if step not in m.catalog.orbax_steps():
         return None
     return not os.path.exists(os.path.join(str(m.directory), m.naming.name(step),
                                            args_lib.DEFAULT_ITEM))
