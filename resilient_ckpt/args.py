@@ -78,8 +78,9 @@ class ItemMode:
     handler: single) or by legacy `checkpointers`; else by the first save (its
     args' kind) or the first restore or step metadata (Composite unless the
     step holds an item named "default", as Orbax reads a step; a step that is
-    not there reads as Composite). `lock=False` (the option `lock_item_mode`)
-    sets and checks nothing.
+    not there sets nothing, where Orbax reads it as Composite: the manager's
+    `_composite_step`). `lock=False` (the option `lock_item_mode`) sets and
+    checks nothing.
     """
 
     def __init__(self, lock: bool, checkpointers: Any = None, item_names: Any = None,

@@ -1,5 +1,6 @@
-"""A manager with a RAM tier under /dev/shm and a local tier, in fresh
-directories that are removed on exit: the elastic-loop tests' shared set-up."""
+"""A manager with a RAM tier under /dev/shm and a local tier (none with
+local_every=None), in fresh directories that are removed on exit: the
+elastic-loop tests' shared set-up."""
 import contextlib
 import shutil
 import tempfile
@@ -8,11 +9,13 @@ from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTie
 
 
 @contextlib.contextmanager
-def manager(ram_every: int = 2, local_every: int = 5, keep: int | None = 2):
+def manager(ram_every: int = 2, local_every: int | None = 5, keep: int | None = 2):
     local = tempfile.mkdtemp(prefix="rc-elastic-")
     ram = tempfile.mkdtemp(prefix="rc-elastic-", dir="/dev/shm")
-    mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=[
-        RamTier(every=ram_every, keep=keep, path=ram), LocalTier(every=local_every, keep=keep)]))
+    tiers = [RamTier(every=ram_every, keep=keep, path=ram)]
+    if local_every is not None:
+        tiers.append(LocalTier(every=local_every, keep=keep))
+    mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=tiers))
     try:
         yield mngr
     finally:

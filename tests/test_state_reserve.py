@@ -10,17 +10,14 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import contextlib
-import shutil
-import tempfile
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tiers import manager as tiers_manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, Elastic, RamTier
+from resilient_ckpt import Elastic
 from resilient_ckpt.elastic.state import StateReserve, retarget, standard_restore, standard_save
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
 
@@ -63,17 +60,9 @@ def step_on(mesh: Mesh):
                    out_shardings={k: v.sharding for k, v in a.items()})
 
 
-@contextlib.contextmanager
 def manager(every: int = 2):
-    local, ram = tempfile.mkdtemp(), tempfile.mkdtemp(dir="/dev/shm")
-    mngr = CheckpointManager(local, options=CheckpointManagerOptions(
-        tiers=[RamTier(every=every, keep=2, path=ram)]))
-    try:
-        yield mngr
-    finally:
-        mngr.close()
-        shutil.rmtree(local, ignore_errors=True)
-        shutil.rmtree(ram, ignore_errors=True)
+    """A RAM-only manager (tests/_tiers.py's, without its local tier)."""
+    return tiers_manager(ram_every=every, local_every=None)
 
 
 def pointers(x: jax.Array) -> set[int]:
