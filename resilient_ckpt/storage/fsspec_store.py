@@ -25,7 +25,6 @@ import datetime
 import errno
 import io
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 from ..errors import CheckpointError, StorageError
 from .base import Storage, check_size, read_in_ranges
 from .files import FileStorage
-from .retry import RetryPolicy, Transient, call
+from .retry import Attempts, RetryPolicy, Transient
 
 # How each protocol writes an object only if absent, atomically on the server.
 _CREATE_ONLY: dict[str, dict[str, Any]] = {
@@ -116,8 +115,7 @@ class FsspecStorage(Storage):
         self._root = self._fs._strip_protocol(self.url).rstrip("/")
         self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="rc-fsspec")
         self._closed = False
-        self._requests = 0
-        self._count_lock = threading.Lock()
+        self._attempts = Attempts()
 
     # ------------------------------------------------------------ helpers
 
@@ -130,15 +128,11 @@ class FsspecStorage(Storage):
     @property
     def requests(self) -> int:
         """Attempts made so far (for tests and records)."""
-        return self._requests
+        return self._attempts.count
 
     def _call(self, fn: Callable, what: str, key: str):
-        def attempt():
-            with self._count_lock:
-                self._requests += 1
-            return fn()
-        return call(attempt, self.retry, f"{what} {self._where(key)}",
-                    lambda e: _final(e, what, self._where(key)))
+        return self._attempts.call(fn, self.retry, f"{what} {self._where(key)}",
+                                   lambda e: _final(e, what, self._where(key)))
 
     # ------------------------------------------------------------ writes
 

@@ -24,7 +24,6 @@ import concurrent.futures as cf
 import errno
 import io
 import os
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from ..errors import CheckpointError, StorageError
 from .base import Storage, check_size, read_in_ranges
 from .gcs_upload import GcsUploads, _Status
-from .retry import RetryPolicy, Transient, call, http_status
+from .retry import Attempts, RetryPolicy, Transient, http_status
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -89,8 +88,7 @@ class GcsStorage(Storage):
         self._bucket = self._client.bucket(self.bucket_name)
         self._api = self._client.api_endpoint.rstrip("/")
         self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="rc-gcs")
-        self._requests = 0
-        self._count_lock = threading.Lock()
+        self._attempts = Attempts()
         self._uploads = GcsUploads(self)
 
     # ------------------------------------------------------------ helpers
@@ -105,17 +103,13 @@ class GcsStorage(Storage):
         return (min(10.0, self.retry.attempt_timeout_s), self.retry.attempt_timeout_s)
 
     def _call(self, fn: Callable, what: str, key: str):
-        def attempt():
-            with self._count_lock:
-                self._requests += 1
-            return fn()
-        return call(attempt, self.retry, f"{what} {self._where(key)}",
-                    lambda e: self._final(e, what, key))
+        return self._attempts.call(fn, self.retry, f"{what} {self._where(key)}",
+                                   lambda e: self._final(e, what, key))
 
     @property
     def requests(self) -> int:
         """Attempts made so far (for tests and records)."""
-        return self._requests
+        return self._attempts.count
 
     def _final(self, e: BaseException, what: str, key: str) -> BaseException:
         if isinstance(e, CheckpointError):

@@ -21,6 +21,7 @@ import http.client
 import logging
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -196,3 +197,20 @@ def call(fn: Callable[[], T], policy: RetryPolicy, what: str,
 def _short(e: BaseException) -> str:
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text[:200]}"
+
+
+class Attempts:
+    """`call`, counting every attempt (retries included): a backend's request
+    count, for tests and records; safe from many threads."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], T], policy: RetryPolicy, what: str,
+             on_final: Callable[[BaseException], BaseException] | None = None) -> T:
+        def attempt() -> T:
+            with self._lock:
+                self.count += 1
+            return fn()
+        return call(attempt, policy, what, on_final)
