@@ -6,24 +6,20 @@ this host, chunks and claims of uncommitted steps nobody live is writing;
 `commit.collect_orphans` on GCS: chunks of uncommitted steps older than an
 age). A dry run runs that same code over a storage that records deletes
 instead of doing them, so the listing and the removal never disagree. A file
-tier whose writer lock (`.rc-writer.lock`) a live manager holds is skipped
-whole; while removing, the lock is held here, so no manager starts writing
+tier whose writer lock (`.rc-writer.lock`) a live manager holds
+(`writer_lock.holder`) is skipped whole; while removing, the lock is held
+here, so no manager starts writing
 that tier meanwhile (one that tries gets `DirectoryInUseError` for that
 moment).
 """
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
-import os
 
-from . import commit, layout
+from . import commit, layout, writer_lock
 from .errors import DirectoryInUseError
 from .storage.base import Storage
-from .storage.files import FileStorage
 from .storage.wrapper import StorageWrapper
-from .writer_lock import WriterLock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,27 +53,6 @@ class _Recording(StorageWrapper):
         return set(self.inner.list(prefix)) <= gone
 
 
-def _holder(st: Storage) -> str | None:
-    """Who holds the file tier's writer lock now (None: nobody live)."""
-    root = st.root if isinstance(st, FileStorage) else None
-    if root is None:
-        return None
-    path = os.path.join(root, layout.WRITER_LOCK)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
-        return os.pread(fd, 256, 0).decode(errors="replace").strip() or "a live manager"
-    finally:
-        os.close(fd)
-    return None
-
-
 def _collect(st: Storage, naming: layout.StepNaming, orphan_age_s: float) -> list[str]:
     if st.remote:
         return commit.collect_orphans(st, naming, orphan_age_s)
@@ -98,14 +73,14 @@ def _sized(st: Storage, tier: str, keys: list[str]) -> tuple[Leftover, ...]:
 def sweep_tier(name: str, st: Storage, naming: layout.StepNaming, apply: bool,
                orphan_age_s: float = 3600.0) -> TierSweep:
     """What `gc` would remove from one tier (and, with `apply`, removes)."""
-    held = _holder(st)
+    held = writer_lock.holder(st)
     if held is not None:
         return TierSweep(name, st.url, f"a live writer holds its lock ({held})", ())
     rec = _Recording(st)
     planned = _sized(st, name, _collect(rec, naming, orphan_age_s))
     if not apply or not planned:
         return TierSweep(name, st.url, None, planned)
-    lock = WriterLock(st.url)
+    lock = writer_lock.WriterLock(st.url)
     try:
         lock.hold([(name, st)], 0)
     except DirectoryInUseError as e:

@@ -102,6 +102,28 @@ class WriterLock:
             os.close(fd)
 
 
+def holder(storage: Storage) -> str | None:
+    """Who holds the writer lock of a file tier now, in words; None when
+    nobody live does (or the tier is not a file tier). Probes with a shared,
+    non-blocking flock, so it never takes the lock from a writer."""
+    root = _root(storage)
+    if root is None:
+        return None
+    try:
+        fd = os.open(os.path.join(root, layout.WRITER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return _holder(os.pread(fd, 256, 0).decode(errors="replace").strip())
+    finally:
+        os.close(fd)
+    return None
+
+
 def _holder(text: str) -> str:
     if not text:
         return "a manager that is taking the lock now"
