@@ -26,7 +26,8 @@ max_bytes=)` refuses an object larger than the caller expects before
 allocating for it (a manifest is small; whatever sits at its name may not be),
 and a failed `put_if_absent` sets `nothing_written` when the final name was
 certainly not created. `read_in_ranges` is the remote backends' shared way of
-reading a large object as parallel ranges.
+reading a large object as parallel ranges, `ours_already` their read-back
+after a create-only put found the name taken.
 """
 from __future__ import annotations
 
@@ -167,3 +168,18 @@ def read_in_ranges(pool, read_range, out: memoryview, offset: int) -> None:
                for a in range(0, len(view), READ_SPLIT)]
     for f in futures:
         f.result()
+
+
+def ours_already(st: Storage, key: str, data: bytes) -> bool:
+    """After a create-only put found `key` taken: whether it holds `data`, so
+    that an earlier attempt of ours landed and only its answer was lost. A
+    larger object is someone else's. One that cannot be read back raises
+    StorageError: who committed is then unknown, which the caller must not
+    take for a lost race (it would remove chunks a commit may need)."""
+    try:
+        return st.read(key, max_bytes=len(data)) == bytes(data)
+    except StorageError as e:
+        if e.errno == errno.EFBIG:
+            return False
+        raise StorageError(e.errno, f"commit of {st.url}/{key}: the object exists but "
+                                    f"could not be read back to tell whose it is: {e}") from e

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
-from .base import Storage, check_size, read_in_ranges
+from .base import Storage, check_size, ours_already, read_in_ranges
 from .files import FileStorage
 from .retry import Attempts, RetryPolicy, Transient
 
@@ -192,11 +192,7 @@ class FsspecStorage(Storage):
         except StorageError as e:
             e.nothing_written = not sent[0]
             raise
-        # There already: ours if an earlier attempt landed and its answer was lost.
-        try:
-            return self.read(key, max_bytes=len(data)) == bytes(data)
-        except StorageError:
-            return False
+        return ours_already(self, key, data)
 
     # ------------------------------------------------------------ reads
 

@@ -27,6 +27,7 @@ import google_crc32c
 import numpy as np
 
 from ..errors import StorageError
+from .base import ours_already
 from .retry import Transient
 
 PART = ".part"  # temporary objects of a composed upload: <key>.part00012
@@ -204,13 +205,4 @@ class GcsUploads:
                 return True
             except PreconditionFailed:
                 return False
-        if st._call(attempt, "commit of", key):
-            return True
-        try:
-            return st.read(key) == data  # our own earlier attempt landed
-        except StorageError as e:
-            # The object exists (the precondition said so) but cannot be read
-            # back: who committed is unknown, which the caller must not take
-            # for a lost race (it would remove chunks a commit may need).
-            raise StorageError(e.errno, f"commit of {st.url}/{key}: the object exists "
-                               f"but could not be read back to tell whose it is: {e}") from e
+        return st._call(attempt, "commit of", key) or ours_already(st, key, data)
