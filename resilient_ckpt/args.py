@@ -249,6 +249,11 @@ def _restore_item(name: str, a: Any) -> RestoreRequest:
     raise _unsupported(name, a, "restore", _SUPPORTED_RESTORE)
 
 
+def restored_trees(restored: Any) -> list:
+    """The item values of what a restore returned (a Composite's, or itself)."""
+    return list(restored.values()) if _is_composite(restored) else [restored]
+
+
 def composite(values: dict[str, Any]) -> Any:
     import orbax.checkpoint as ocp
     return ocp.args.Composite(**values)

@@ -30,11 +30,10 @@ import importlib
 import logging
 from typing import Any
 
-import google_crc32c
 import jax
 import numpy as np
 
-from . import commit, layout, snapshot, transfer
+from . import commit, crc32c, layout, snapshot, transfer
 from .codec import CODECS
 from .errors import CorruptCheckpointError, MissingDependencyError
 from .manifest import ChunkRecord, ItemRecord, Manifest
@@ -287,7 +286,7 @@ def _put_shard(storage: Storage, job: HostJob, a: jax.Array, j: int, shard: Any)
 def _words(c: ChunkRecord) -> list[int]:
     """A chunk's record as uint32 words: its key's crc32c (to check the rows
     line up), its crc32c, its stored size (low, high), its codec, its blocks."""
-    return [google_crc32c.value(c.key.encode()), c.crc32c, c.stored_nbytes & 0xFFFFFFFF,
+    return [crc32c.value(c.key.encode()), c.crc32c, c.stored_nbytes & 0xFFFFFFFF,
             c.stored_nbytes >> 32, CODECS.index(c.codec), *c.block_crc32c]
 
 
@@ -301,7 +300,7 @@ def _records(g: _Group, result: jax.Array, d: str) -> list[ChunkRecord]:
         for _, _, c in planned:
             w = [int(x) for x in row[pos:pos + _HEAD + _blocks(c)]]
             pos += len(w)
-            if len(w) < _HEAD or w[0] != google_crc32c.value(c.key.encode()) \
+            if len(w) < _HEAD or w[0] != crc32c.value(c.key.encode()) \
                     or w[4] >= len(CODECS):
                 raise CorruptCheckpointError(
                     f"{d}/{c.key}: the record its owning host returned does not match the "

@@ -9,6 +9,7 @@ chunks (a smaller data axis after a failure) becomes one array without copying.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import errno
 import mmap
@@ -25,22 +26,45 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 
 
-def host_mmap(nbytes: int) -> mmap.mmap:
-    """Fresh anonymous memory of at least `nbytes`, populated where it is big."""
+def host_mmap(nbytes: int, threads: int = 1) -> mmap.mmap:
+    """Fresh anonymous memory of at least `nbytes`, populated where it is big
+    (by `threads` threads side by side: 2 took half as long as 1 here)."""
     m = mmap.mmap(-1, max(nbytes, 1))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
     if nbytes >= 1 << 20:
-        try:
-            m.madvise(_MADV_POPULATE_WRITE)
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; pages fault in on use
-                raise
+        _populate(m, max(1, threads))
     return m
+
+
+def _populate(m: mmap.mmap, threads: int) -> None:
+    """Has the kernel fault `m` in, without the GIL: mmap.madvise holds it
+    (0.35 s for 512 MiB here, other threads stopped), ctypes releases it."""
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        base, step = ctypes.addressof(anchor), -(-len(m) // threads // PAGE) * PAGE
+        parts = [(base + lo, min(step, len(m) - lo)) for lo in range(0, len(m), step)]
+        if len(parts) == 1:
+            rcs = [_madvise(*parts[0])]
+        else:
+            with cf.ThreadPoolExecutor(len(parts), thread_name_prefix="rc-populate") as ex:
+                rcs = list(ex.map(lambda p: _madvise(*p), parts))
+    finally:
+        del anchor  # lets `m` be closed again
+    err = next((e for e in rcs if e), 0)
+    if err and err != errno.EINVAL:  # EINVAL: a kernel before 5.14; pages fault in on use
+        raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {len(m)} bytes failed")
+
+
+def _madvise(addr: int, length: int) -> int:
+    """The errno of MADV_POPULATE_WRITE on [addr, addr + length), 0 if none."""
+    return 0 if _libc.madvise(addr, length, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
 def host_buffer(nbytes: int) -> np.ndarray:

@@ -54,6 +54,7 @@ class SaveRecord:
     snapshot_s: float = 0.0
     waited_s: float = 0.0
     bytes: int = 0
+    fresh_bytes: int = 0  # host memory the snapshot faulted in (0 from a warm pool)
     tiers: dict[str, TierWrite] = dataclasses.field(default_factory=dict)
 
 

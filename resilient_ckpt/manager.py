@@ -76,15 +76,10 @@ class CheckpointManager:
         self._coord.open(plan.writable)
         self._cleanup = None
         if o.cleanup_tmp_directories and not o.read_only:
-            self._cleanup = threading.Thread(target=self._clean, name="rc-cleanup", daemon=True)
+            self._cleanup = threading.Thread(
+                target=_clean, args=(self._saver.tiers, plan.naming, self.catalog.peers.index),
+                name="rc-cleanup", daemon=True)
             self._cleanup.start()
-
-    def _clean(self) -> None:
-        for t in self._saver.tiers:
-            # Runs beside the program: asks jax nothing (its backend may be shutting down).
-            commit.clean_tier(t.storage, self._plan.naming,
-                              getattr(t.plan.config, "orphan_age_s", None),
-                              self.catalog.peers.index)
 
     # ------------------------------------------------------------ what exists
 
@@ -168,7 +163,8 @@ class CheckpointManager:
             log.warning("%s is read only; save of step %d skipped", self._directory, step)
             return False
         due = list(self._saver.tiers) if force else _due(self, step)  # one policy call a save
-        if not due:
+        if not due:  # the memory a save of this state takes, faulted in ahead (once)
+            self._saver.warm([v for _, kind, v in item_list if kind != "json"])
             return False
         if step in self.all_steps():
             raise StepAlreadyExistsError(
@@ -249,7 +245,10 @@ class CheckpointManager:
                     log.warning("%s", msg)
             self.restore_records.append(record)
             return out
-        return self._coord.restore(step, attempt)
+        out = self._coord.restore(step, attempt)
+        if not self._options.read_only:  # what the next save copies, faulted in ahead
+            self._saver.warm(args_lib.restored_trees(out))
+        return out
 
     @property
     def last_restore(self) -> RestoreRecord | None:
@@ -290,6 +289,14 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _clean(tiers: list[Tier], naming: StepNaming, process_index: int) -> None:
+    """Removes dead writers' leftovers from every tier, beside the program: it
+    asks jax nothing (its backend may be shutting down)."""
+    for t in tiers:
+        commit.clean_tier(t.storage, naming, getattr(t.plan.config, "orphan_age_s", None),
+                          process_index)
 
 
 def _due(m: CheckpointManager, step: int) -> list[Tier]:

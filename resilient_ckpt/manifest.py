@@ -19,8 +19,7 @@ import math
 import re
 from typing import Any, cast
 
-import google_crc32c
-
+from . import crc32c
 from .codec import CODECS  # the one list of codec names
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 from .strictjson import MAX_INT, Reader, short
@@ -203,7 +202,7 @@ def to_json(m: Manifest) -> bytes:
     # Leaf floats are hex strings; NaN/Infinity can only come from user metrics
     # (a diverged loss is worth recording) and use Python's JSON tokens for them.
     body = json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()[:-1]
-    out = body + b',"manifest_crc32c":%d}' % google_crc32c.value(body)
+    out = body + b',"manifest_crc32c":%d}' % crc32c.value(body)
     if len(out) > MAX_MANIFEST_BYTES:
         raise ValueError(f"the manifest of step {m.step} would be {len(out)} bytes, over "
                          f"the {MAX_MANIFEST_BYTES}-byte limit readers accept; save fewer "
@@ -402,7 +401,7 @@ def _verify(r: Reader, data: bytes) -> bool:
     m = _TRAILER.search(data, max(0, len(data) - 64))
     if m is None:
         return False
-    if google_crc32c.value(data[:m.start()]) != int(m[1]):
+    if crc32c.value(data[:m.start()]) != int(m[1]):
         raise r.fail("manifest_crc32c does not match the manifest's bytes: the file "
                      "is damaged; its step is read from another tier's copy, if any")
     return True

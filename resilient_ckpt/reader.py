@@ -18,10 +18,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
-from . import codec, layout
+from . import codec, crc32c, layout
 from .errors import CorruptCheckpointError, StorageError
 from .hostmem import Region, host_buffer
 from .manifest import ChunkRecord
@@ -105,7 +104,7 @@ class ChunkReader:
                 st.read_into(key, buf.data)
             if not raw:
                 buf = codec.decode(c.codec, buf, c.nbytes, host_buffer(c.nbytes))
-            if google_crc32c.value(buf) != c.crc32c:
+            if crc32c.value(buf) != c.crc32c:
                 raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             return buf, c.stored_nbytes
         return self._from_tiers(c, where, read)
@@ -156,7 +155,7 @@ class ChunkReader:
                 st.read_into(key, seg.data, offset=r_lo * row)
                 nread += len(seg)
                 for i, blk in enumerate(inner):
-                    if google_crc32c.value(seg[i * bb:(i + 1) * bb]) != c.block_crc32c[blk]:
+                    if crc32c.value(seg[i * bb:(i + 1) * bb]) != c.block_crc32c[blk]:
                         raise CorruptCheckpointError(
                             f"crc32c mismatch in block {blk} of {st.url}/{key}")
             for blk in ends:
@@ -164,7 +163,7 @@ class ChunkReader:
                 stage = np.empty(stop - start, np.uint8)
                 st.read_into(key, stage.data, offset=start)
                 nread += len(stage)
-                if google_crc32c.value(stage) != c.block_crc32c[blk]:
+                if crc32c.value(stage) != c.block_crc32c[blk]:
                     raise CorruptCheckpointError(
                         f"crc32c mismatch in block {blk} of {st.url}/{key}")
                 rows = stage.view(dtype).reshape((len(stage) // row,) + tuple(c.sizes[1:]))
@@ -195,7 +194,7 @@ class ChunkReader:
                     nread += stop - start
                     for i, b in enumerate(range(lo, hi)):
                         blk = seg[i * c.block_bytes:(i + 1) * c.block_bytes]
-                        if google_crc32c.value(blk) != c.block_crc32c[b]:
+                        if crc32c.value(blk) != c.block_crc32c[b]:
                             raise CorruptCheckpointError(
                                 f"crc32c mismatch in block {b} of {st.url}/{key}")
                     r0 = lo * rpb
@@ -246,7 +245,7 @@ class ChunkReader:
                 for b in range(b0, b1):
                     blk = view[b * c.block_bytes:(b + 1) * c.block_bytes]
                     nread += len(blk)
-                    if google_crc32c.value(blk) != c.block_crc32c[b]:
+                    if crc32c.value(blk) != c.block_crc32c[b]:
                         self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} "
                                      f"from the {tier} tier failed (crc32c mismatch in "
                                      f"block {b} of {st.url}/{key}); trying the next copy")

@@ -62,6 +62,7 @@ class Saver:
         self._flying.unpinned = self._unpinned
         self._errors: list[SaveFailedError] = []
         self._errors_lock = threading.Lock()
+        self._warmed = False
 
     def tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
@@ -72,7 +73,7 @@ class Saver:
               custom_metadata: Any, save_id: str) -> SaveRecord:
         """Snapshots `items` and queues the writes to the `due` tiers under
         `save_id` (the same on every process)."""
-        tiers, feeds = self._route(due)
+        tiers, feeds = route(self.tiers, due, self._plan.on_owning_hosts)
         rec = SaveRecord(step)
         t0 = time.perf_counter()
         replicas = any(_keeps_replicas(t) for t in tiers)
@@ -92,7 +93,7 @@ class Saver:
         except BaseException:
             self._flying.unreserve(need)
             raise
-        rec.bytes = snap.nbytes
+        rec.bytes, rec.fresh_bytes = snap.nbytes, snap.fresh_bytes
         header = dict(created=time.time(), process_index=peers.rank,
                       process_count=peers.size, metrics=metadata.jsonable(metrics),
                       custom_metadata=metadata.jsonable(custom_metadata))
@@ -104,18 +105,17 @@ class Saver:
         rec.blocking_s = time.perf_counter() - t0
         return rec
 
-    def _route(self, due: list[Tier]) -> tuple[list[Tier], dict[str, list[str]]]:
-        """The tiers to write, fastest first, and per remote tier the faster due
-        tiers it uploads from. A step due on a remote tier alone also goes to the
-        fastest tier, to upload from: the devices are read once, into the snapshot.
-        Written on the owning hosts, each tier is written from their copy."""
-        if self._plan.on_owning_hosts:
-            return list(due), {}
-        fast = [t for t in due if not t.storage.remote]
-        remote = [t for t in due if t.storage.remote]
-        if remote and not fast:
-            fast = [t for t in self.tiers if not t.storage.remote][:1]
-        return fast + remote, {t.name: [f.name for f in fast] for t in remote}
+    def warm(self, trees: list) -> None:
+        """Starts faulting in, in the background and once, the host memory a
+        snapshot of `trees` (the state, as restored or as passed to a save
+        that was not due) takes, so the first save copies at memory speed."""
+        if self._warmed or self._plan.on_owning_hosts:
+            return
+        self._warmed = True
+        replicas = any(_keeps_replicas(t) for t in self.tiers)
+        _, sources = snapshot.describe_items([("", "pytree", t) for t in trees], "",
+                                             self._catalog.peers.rank, replicas)
+        self._flying.pool.warm(snapshot.slab_layout(sources)[2])
 
     def _unpinned(self, tier: str) -> None:
         """The source tier may now delete what it kept for an upload."""
@@ -295,6 +295,21 @@ class Saver:
         self._io.shutdown(wait=True)
         self._copy.shutdown(wait=True)
         self._flying.pool.clear()
+
+
+def route(all_tiers: list[Tier], due: list[Tier], on_owning_hosts: bool
+          ) -> tuple[list[Tier], dict[str, list[str]]]:
+    """The tiers to write, fastest first, and per remote tier the faster due
+    tiers it uploads from. A step due on a remote tier alone also goes to the
+    fastest tier, to upload from: the devices are read once, into the snapshot.
+    Written on the owning hosts, each tier is written from their copy."""
+    if on_owning_hosts:
+        return list(due), {}
+    fast = [t for t in due if not t.storage.remote]
+    remote = [t for t in due if t.storage.remote]
+    if remote and not fast:
+        fast = [t for t in all_tiers if not t.storage.remote][:1]
+    return fast + remote, {t.name: [f.name for f in fast] for t in remote}
 
 
 def _save_failed(t: Tier, step: int, e: BaseException) -> SaveFailedError:

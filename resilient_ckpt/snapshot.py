@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import logging
 import mmap
 import threading
 from typing import Any
 
-import google_crc32c
 import jax
 import numpy as np
 
-from . import layout
+from . import crc32c, layout
 from .hostmem import host_mmap
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, encode_scalar
 from .planner import block_bytes_for, unique_boxes
@@ -29,23 +29,61 @@ from .pytree import flatten, leaf_kind
 from .sharding import describe, index_to_box
 
 _ALIGN = 4096
+log = logging.getLogger("resilient_ckpt")
 
 
 class HostPool:
-    """Slabs of host memory reused across saves, bounded by what callers hold."""
+    """Slabs of host memory reused across saves, bounded by what callers hold.
+
+    `warm` faults a slab in ahead, on a thread of its own (without the GIL),
+    so that the first save copies into touched memory too; a `take` that
+    such a slab would fit waits for it rather than faulting in another.
+    """
 
     def __init__(self):
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        self._warming: tuple[int, threading.Event] | None = None
 
-    def take(self, nbytes: int) -> mmap.mmap:
+    def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
+        """A slab of at least `nbytes`, and whether it is fresh (faulted in now)."""
+        with self._lock:
+            warming = self._warming
+        if warming is not None and warming[0] >= nbytes:
+            warming[1].wait()  # part faulted in already: less to wait for than a new one
         with self._lock:
             fits = [m for m in self._free if len(m) >= nbytes]
             if fits:
                 m = min(fits, key=len)
                 self._free.remove(m)
-                return m
-        return host_mmap(nbytes)  # populated in one call, not page by page
+                return m, False
+        return host_mmap(nbytes, threads=2), True  # populated in two calls, not page by page
+
+    def warm(self, nbytes: int) -> bool:
+        """Starts faulting in a slab of `nbytes` in the background, unless one
+        that size fits is free or on its way; whether it started one."""
+        with self._lock:
+            if nbytes <= 0 or self._warming is not None or any(
+                    len(m) >= nbytes for m in self._free):
+                return False
+            self._warming = (nbytes, threading.Event())
+        threading.Thread(target=self._fault_in, args=(nbytes,), name="rc-pool-warm",
+                         daemon=True).start()
+        return True
+
+    def _fault_in(self, nbytes: int) -> None:
+        try:
+            m = host_mmap(nbytes)
+        except OSError as e:  # out of memory now: the first save faults its own slab in
+            log.warning("could not fault in %d bytes of host memory ahead of the first "
+                        "save (%s)", nbytes, e)
+            m = None
+        with self._lock:
+            if m is not None:
+                self._free.append(m)
+            assert self._warming is not None
+            done, self._warming = self._warming[1], None
+        done.set()
 
     def give(self, m: mmap.mmap) -> None:
         with self._lock:
@@ -86,6 +124,7 @@ class Snapshot:
     nbytes: int
     slab: mmap.mmap | None
     copy_s: float = 0.0
+    fresh_bytes: int = 0  # of the slab, faulted in by this snapshot (none from a warm pool)
     # The copy on the owning hosts, when the devices' shards stay there
     # (colocated.py); `chunks` then holds only what the controller itself holds.
     placed: Any = None
@@ -139,8 +178,8 @@ def checksums(data: np.ndarray, sizes: tuple[int, ...], itemsize: int
     whole, blocks = 0, []
     for start in range(0, int(data.nbytes), bb):
         block = data[start:start + bb]
-        blocks.append(google_crc32c.value(block))
-        whole = google_crc32c.extend(whole, block)
+        blocks.append(crc32c.value(block))
+        whole = crc32c.extend(whole, block)
     return (bb if blocks else 0), tuple(blocks), whole
 
 
@@ -207,19 +246,26 @@ def as_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: HostPool,
-         executor: cf.Executor | None) -> Snapshot:
-    """Copies every source into one pooled slab; returns when the copy is done."""
+def slab_layout(sources: list) -> tuple[list[int], list[int], int]:
+    """(bytes, slab offset) of each of `describe_items`'s sources, and the
+    slab's size (every source page-aligned in it)."""
     sizes = [int(np.prod(box[1], dtype=np.int64)) * np.dtype(src.dtype).itemsize
              for _, _, box, _, src, _ in sources]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
+    return sizes, offsets, total
+
+
+def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: HostPool,
+         executor: cf.Executor | None) -> Snapshot:
+    """Copies every source into one pooled slab; returns when the copy is done."""
+    sizes, offsets, total = slab_layout(sources)
     for *_, src, _ in sources:  # start every device-to-host transfer before waiting
         if isinstance(src, jax.Array):
             src.copy_to_host_async()
-    slab = pool.take(total) if total else None
+    slab, fresh = pool.take(total) if total else (None, False)
     flat = np.frombuffer(slab, dtype=np.uint8) if slab is not None else None
     chunks = []
     for (ii, li, box, key, src, primary), off, n in zip(sources, offsets, sizes, strict=True):
@@ -237,4 +283,5 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     else:
         for f in [executor.submit(copy, i) for i in order]:
             f.result()
-    return Snapshot(step, save_id, items, chunks, total, slab)
+    return Snapshot(step, save_id, items, chunks, total, slab,
+                    fresh_bytes=len(slab) if fresh and slab is not None else 0)

@@ -17,10 +17,9 @@ import os
 import time
 from collections.abc import Sequence
 
-import google_crc32c
 import numpy as np
 
-from . import claim, codec, commit, layout, legacy, selection, tierrecord
+from . import claim, codec, commit, crc32c, layout, legacy, selection, tierrecord
 from .errors import CorruptCheckpointError
 from .manifest import ChunkRecord, Manifest
 from .storage import FileStorage, Storage
@@ -230,7 +229,7 @@ def verify_chunk(st: Storage, d: str, c: ChunkRecord) -> str | None:
             codec.decode(c.codec, np.frombuffer(data, np.uint8), c.nbytes).tobytes()
     except (OSError, CorruptCheckpointError) as e:
         return f"cannot be read: {e}"
-    crc = google_crc32c.value(raw)
+    crc = crc32c.value(raw)
     if crc != c.crc32c:
         return f"fails its checksum (crc32c {crc}, its manifest says {c.crc32c})"
     return None

@@ -21,9 +21,9 @@ import errno
 import io
 from collections.abc import Sequence
 
-import google_crc32c
 import numpy as np
 
+from . import crc32c
 from .codec import Codec, check as check_codec, compress, compress_stream
 from .errors import CorruptCheckpointError, StorageError
 from .manifest import ChunkRecord
@@ -117,7 +117,7 @@ class _Raw(io.RawIOBase):
             out[:] = self._view[self._pos:self._pos + n]
         else:
             self._src.read_into(out, self._pos)
-        self._crc = google_crc32c.extend(self._crc, np.frombuffer(out, np.uint8))
+        self._crc = crc32c.extend(self._crc, np.frombuffer(out, np.uint8))
         self._pos += n
         if self._pos == self._c.nbytes and not self._src.trusted and self._crc != self._c.crc32c:
             raise CorruptCheckpointError(f"crc32c mismatch in {self._src.where} while "
@@ -146,7 +146,7 @@ def _whole(src: Source, c: ChunkRecord) -> memoryview:
         buf = bytearray(c.nbytes)
         src.read_into(memoryview(buf), 0)
         view = memoryview(buf)
-    if not src.trusted and google_crc32c.value(np.frombuffer(view, np.uint8)) != c.crc32c:
+    if not src.trusted and crc32c.value(np.frombuffer(view, np.uint8)) != c.crc32c:
         raise CorruptCheckpointError(f"crc32c mismatch in {src.where} while copying it; "
                                      "that copy is corrupt")
     return view

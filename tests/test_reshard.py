@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
-from resilient_ckpt.restore import ChunkReader, RestoreRecord, _host_boxes
+from resilient_ckpt.restore import ChunkReader, RestoreRecord, _read_boxes
 from resilient_ckpt.sharding import index_to_box
 
 DEVICES = jax.devices()
@@ -124,7 +124,7 @@ def test_a_process_reads_only_what_its_devices_need(dirs):
             rec = RestoreRecord(1)
             storages = m.catalog.storages()
             reader = ChunkReader(storages, m.naming, sub, set(), rec, budget=8 << 20)
-            out = _host_boxes(leaf, share, reader, "w", False)
+            out = _read_boxes(leaf, share, reader, "w", False)()
             need = sum(int(np.prod(b[1])) * 4 for b in share)
             assert set(rec.bytes_by_tier) == {name}
             assert rec.bytes_by_tier[name] <= 1.05 * need, (name, len(share))

@@ -23,9 +23,9 @@ import io
 import urllib.parse
 from collections.abc import Callable
 
-import google_crc32c
 import numpy as np
 
+from .. import crc32c
 from ..errors import StorageError
 from .base import ours_already
 from .retry import Transient
@@ -128,7 +128,7 @@ class GcsUploads:
             for buf in pieces():
                 parts.append(f"{key}{PART}{len(parts):05d}")
                 self._put_media(parts[-1], buf)
-                crc = google_crc32c.extend(crc, np.frombuffer(buf, np.uint8))
+                crc = crc32c.extend(crc, np.frombuffer(buf, np.uint8))
                 total += len(buf)
             self._compose(key, parts, crc, total)
         finally:
@@ -141,7 +141,7 @@ class GcsUploads:
         st = self._store
         url = (f"{st._api}/upload/storage/v1/b/{st.bucket_name}/o?uploadType=media&name="
                + urllib.parse.quote(st._name(key), safe=""))
-        want = base64.b64encode(google_crc32c.value(np.frombuffer(data, np.uint8))
+        want = base64.b64encode(crc32c.value(np.frombuffer(data, np.uint8))
                                 .to_bytes(4, "big")).decode()
 
         def attempt():
