@@ -291,8 +291,12 @@ class Ours:
         self.rc = rc
         self.dir = os.path.join(workdir, "resilient_ckpt")
         self.shm = shm_dir
-        self.mngr = rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(
-            tiers=[rc.RamTier(every=1, keep=1, path=self.shm), rc.LocalTier(every=1, keep=1)]))
+        self.mngr = self.open(keep=1)
+
+    def open(self, keep: int):
+        rc = self.rc
+        return rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(tiers=[
+            rc.RamTier(every=1, keep=keep, path=self.shm), rc.LocalTier(every=1, keep=keep)]))
 
     def save(self, step: int, state) -> dict[str, float]:
         import orbax.checkpoint as ocp
@@ -347,9 +351,8 @@ class Ours:
         """A resumed job's first save: a new manager on the same tiers restores
         `step` and saves the restored state as step + 1; its blocking time."""
         import orbax.checkpoint as ocp
-        rc = self.rc
-        m = rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(
-            tiers=[rc.RamTier(every=1, keep=2, path=self.shm), rc.LocalTier(every=1, keep=2)]))
+        self.mngr.close()  # one writer per directory: this job "ended"
+        m = self.open(keep=2)
         try:
             restored = m.restore(step, args=ocp.args.StandardRestore(abstract))
             t, started = timed(m.save, step + 1, args=ocp.args.StandardSave(restored))
@@ -359,6 +362,7 @@ class Ours:
             m.delete(step + 1)
         finally:
             m.close()
+            self.mngr = self.open(keep=1)
         trim()
         return t
 

@@ -74,6 +74,7 @@ class Saver:
         """Snapshots `items` and queues the writes to the `due` tiers under
         `save_id` (the same on every process)."""
         tiers, feeds = route(self.tiers, due, self._plan.on_owning_hosts)
+        self._warmed = True
         rec = SaveRecord(step)
         t0 = time.perf_counter()
         replicas = any(_keeps_replicas(t) for t in tiers)
@@ -108,7 +109,8 @@ class Saver:
     def warm(self, trees: list) -> None:
         """Starts faulting in, in the background and once, the host memory a
         snapshot of `trees` (the state, as restored or as passed to a save
-        that was not due) takes, so the first save copies at memory speed."""
+        that was not due) takes, so the first save copies at memory speed.
+        Never after a save started: its slab stays in the pool."""
         if self._warmed or self._plan.on_owning_hosts:
             return
         self._warmed = True
@@ -245,12 +247,9 @@ class Saver:
     def wait_for_restore(self, step: int | None, viable: Callable[[int], bool]) -> None:
         """Waits for what a restore of `step` (None: the newest) may read: the
         local tiers' writes, and an upload only when no faster copy is viable."""
-        if step is None:
-            for s in self.pending():
-                self.wait_step(s, for_restore=True)
-            return
-        self.wait_step(step, for_restore=True)
-        if not viable(step):
+        for s in (self.pending() if step is None else [step]):
+            self.wait_step(s, for_restore=True)
+        if step is not None and not viable(step):
             self.wait_step(step)
 
     def wait_all(self) -> None:
