@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -255,12 +256,21 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
     read and checksum ahead while this one places arrays."""
     t0 = time.perf_counter()
     started = []
-    for rec, tgt in zip(records, targets, strict=True):
-        # (named by item too, past the default one: leaves of two items may share paths)
-        where = f"item {item!r}, leaf {path_str(rec.path)}" \
-            if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
-        started.append(start_leaf(rec, tgt, reader, where))
-    out = [finish() for finish in started]
+    # No garbage collection meanwhile: the futures and views made here set it
+    # off every few leaves, and jax's hook on each collection cost 0.04 s per
+    # 1 GB restored (119 leaves) here. What this allocates is freed by refcount.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for rec, tgt in zip(records, targets, strict=True):
+            # (named by item too, past the default one: leaves of two items may share paths)
+            where = f"item {item!r}, leaf {path_str(rec.path)}" \
+                if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
+            started.append(start_leaf(rec, tgt, reader, where))
+        out = [finish() for finish in started]
+    finally:
+        if collecting:
+            gc.enable()
     for a in out:
         if isinstance(a, jax.Array):
             a.block_until_ready()

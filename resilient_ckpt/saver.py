@@ -115,8 +115,11 @@ class Saver:
             return
         self._warmed = True
         replicas = any(_keeps_replicas(t) for t in self.tiers)
-        _, sources = snapshot.describe_items([("", "pytree", t) for t in trees], "",
-                                             self._catalog.peers.rank, replicas)
+        try:
+            _, sources = snapshot.describe_items([("", "pytree", t) for t in trees], "",
+                                                 self._catalog.peers.rank, replicas)
+        except (TypeError, ValueError):  # not a savable tree (ocp.PLACEHOLDER leaves, ...)
+            return
         self._flying.pool.warm(snapshot.slab_layout(sources)[2])
 
     def _unpinned(self, tier: str) -> None:
@@ -253,10 +256,7 @@ class Saver:
             self.wait_step(step)
 
     def wait_all(self) -> None:
-        while True:
-            futures = self._flying.all_jobs()
-            if not futures:
-                return
+        while futures := self._flying.all_jobs():
             cf.wait(futures)
 
     def take_errors(self) -> list[SaveFailedError]:
