@@ -111,23 +111,46 @@ def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
 def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
                 zero_copy: bool) -> Callable[[], dict]:
     """Starts reading the host arrays for each target box of one leaf; the
-    returned call waits for them and returns them by box. (Whole chunks are
-    read on the reader's pool, so the next leaves' reads run meanwhile.)"""
+    returned call waits for them and returns them by box. Whole chunks, and
+    boxes mapped from rows of several RAM-tier chunks (with their checksums),
+    are read on the reader's pool, so the next leaves' reads run meanwhile."""
     dtype = jnp.dtype(rec.dtype)
-    out, parts, chunks, wholes, plans = {}, collections.defaultdict(list), {}, {}, {}
+    wholes, mapped, plans = {}, {}, {}
     for box in boxes:
         plan = plan_target(box, rec.chunks, where)
         if plan.single is not None:
             wholes[box] = reader.pool.submit(reader.whole, plan.single, where, zero_copy)
-            continue
-        mapped = reader.stitched(box, plan, dtype) if zero_copy else None
-        if mapped is not None:
-            out[box] = mapped
+        elif zero_copy:
+            mapped[box] = (plan, reader.pool.submit(reader.stitched, box, plan, dtype))
         else:
-            nbytes = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
-            plans[box] = (plan, reader.pool.submit(host_buffer, nbytes))  # faulted in parallel
-    for box, (plan, buf) in plans.items():
-        out[box] = buf.result().view(dtype).reshape(box[1])
+            plans[box] = plan
+    assembled = _assemble(plans, dtype, reader, where)
+
+    def done() -> dict:
+        out, unmapped = assembled(), {}
+        for box, (plan, fut) in mapped.items():
+            got = fut.result()
+            if got is None:  # rows that do not stack at page boundaries: copied
+                unmapped[box] = plan
+            else:
+                out[box] = got
+        if unmapped:
+            out.update(_assemble(unmapped, dtype, reader, where)())
+        out.update({b: f.result().view(dtype).reshape(b[1]) for b, f in wholes.items()})
+        return out
+    return done
+
+
+def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str
+              ) -> Callable[[], dict]:
+    """Starts copying each box of `plans` (box -> plan) together from the
+    parts of the chunks it needs, into a buffer of its own; each chunk is read
+    once for all the boxes it serves. The returned call waits for the boxes."""
+    out, parts, chunks = {}, collections.defaultdict(list), {}
+    bufs = {box: reader.pool.submit(host_buffer, int(np.prod(box[1], dtype=np.int64))
+                                    * dtype.itemsize) for box in plans}  # faulted in parallel
+    for box, plan in plans.items():
+        out[box] = bufs[box].result().view(dtype).reshape(box[1])
         for p in plan.pieces:
             parts[p.chunk.key].append((p.src, out[box][p.dst]))
             chunks[p.chunk.key] = p.chunk
@@ -138,8 +161,6 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
     def done() -> dict:
         for f in futures:
             f.result()
-        for box, fut in wholes.items():
-            out[box] = fut.result().view(dtype).reshape(box[1])
         return out
     return done
 
