@@ -224,7 +224,7 @@ class ChunkReader:
                 return None
             picks.append((p, tier))
         total = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
-        region, dest = Region(total), 0
+        region, dest, placed = Region(total), 0, []
         for p, tier in picks:
             c = p.chunk
             row = c.nbytes // c.sizes[0]
@@ -232,18 +232,23 @@ class ChunkReader:
             if not self.storages[tier].place(f"{self.dir}/{c.key}", region,
                                              p.src[0].start * row, dest, length):
                 return None
+            placed.append((p, tier, p.src[0].start * row, dest, length))
             dest += length
-        for p, tier in picks:  # verify the blocks under every placed row
+        arr = region.array()
+        for p, tier, lo, at, length in placed:  # verify the blocks under every placed row
             c, st = p.chunk, self.storages[tier]
-            key = f"{self.dir}/{c.key}"
-            view = st.map(key, c.nbytes)
-            # None only if the object is now shorter than the manifest says (it was
-            # long enough for place()); that raised TypeError below before.
-            assert view is not None
-            nread = 0
+            key, view, nread = f"{self.dir}/{c.key}", None, 0
             for b0, b1 in blocks_for_rows(c, [(p.src[0].start, p.src[0].stop)]):
                 for b in range(b0, b1):
-                    blk = view[b * c.block_bytes:(b + 1) * c.block_bytes]
+                    start, stop = b * c.block_bytes, min((b + 1) * c.block_bytes, c.nbytes)
+                    if lo <= start and stop <= lo + length:  # read where it was placed:
+                        blk = arr[at + start - lo:at + stop - lo]  # its pages fault in once
+                    else:  # a block reaching past the rows placed: the whole chunk's mapping
+                        view = st.map(key, c.nbytes) if view is None else view
+                        # None only if the object is now shorter than the manifest
+                        # says (it was long enough for place()).
+                        assert view is not None
+                        blk = view[start:stop]
                     nread += len(blk)
                     if crc32c.value(blk) != c.block_crc32c[b]:
                         self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} "
@@ -251,7 +256,7 @@ class ChunkReader:
                                      f"block {b} of {st.url}/{key}); trying the next copy")
                         return None
             self._served(tier, c.key, nread)
-        return region.array().view(dtype).reshape(box[1])
+        return arr.view(dtype).reshape(box[1])
 
 
     def _failed(self, tier: str, key: str, msg: str) -> None:
