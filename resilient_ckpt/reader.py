@@ -235,28 +235,43 @@ class ChunkReader:
             placed.append((p, tier, p.src[0].start * row, dest, length))
             dest += length
         arr = region.array()
-        for p, tier, lo, at, length in placed:  # verify the blocks under every placed row
-            c, st = p.chunk, self.storages[tier]
-            key, view, nread = f"{self.dir}/{c.key}", None, 0
-            for b0, b1 in blocks_for_rows(c, [(p.src[0].start, p.src[0].stop)]):
+        if not all(self._verify_placed(p.chunk, tier, p.src[0], arr, lo, at, length)
+                   for p, tier, lo, at, length in placed):
+            return None
+        return arr.view(dtype).reshape(box[1])
+
+    def _verify_placed(self, c: ChunkRecord, tier: str, rows: slice, arr: np.ndarray,
+                       lo: int, at: int, length: int) -> bool:
+        """Checks the bytes [lo, lo + length) of chunk `c` placed at arr[at:]:
+        read where they were placed (their pages fault in once, not once for
+        the check and again for the first use), a whole chunk in one check;
+        a block reaching past the rows placed through the chunk's mapping."""
+        st = self.storages[tier]
+        key = f"{self.dir}/{c.key}"
+        if lo == 0 and length == c.nbytes:
+            checks = [(arr[at:at + length], c.crc32c, "")]
+        else:
+            view, checks = None, []
+            for b0, b1 in blocks_for_rows(c, [(rows.start, rows.stop)]):
                 for b in range(b0, b1):
                     start, stop = b * c.block_bytes, min((b + 1) * c.block_bytes, c.nbytes)
-                    if lo <= start and stop <= lo + length:  # read where it was placed:
-                        blk = arr[at + start - lo:at + stop - lo]  # its pages fault in once
-                    else:  # a block reaching past the rows placed: the whole chunk's mapping
+                    if lo <= start and stop <= lo + length:
+                        blk = arr[at + start - lo:at + stop - lo]
+                    else:
                         view = st.map(key, c.nbytes) if view is None else view
                         # None only if the object is now shorter than the manifest
                         # says (it was long enough for place()).
                         assert view is not None
                         blk = view[start:stop]
-                    nread += len(blk)
-                    if crc32c.value(blk) != c.block_crc32c[b]:
-                        self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} "
-                                     f"from the {tier} tier failed (crc32c mismatch in "
-                                     f"block {b} of {st.url}/{key}); trying the next copy")
-                        return None
-            self._served(tier, c.key, nread)
-        return arr.view(dtype).reshape(box[1])
+                    checks.append((blk, c.block_crc32c[b], f"block {b} of "))
+        for data, want, what in checks:
+            if crc32c.value(data) != want:
+                self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} from the "
+                             f"{tier} tier failed (crc32c mismatch in {what}{st.url}/{key}); "
+                             "trying the next copy")
+                return False
+        self._served(tier, c.key, sum(len(d) for d, _, _ in checks))
+        return True
 
 
     def _failed(self, tier: str, key: str, msg: str) -> None:
