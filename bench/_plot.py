@@ -1,15 +1,19 @@
 """Plots of bench output (a helper: bench/run_all.py skips files named _*).
 
     python bench/_plot.py results.jsonl docs/benchmarks_save_restore.png
+    python bench/_plot.py --scaling runs.jsonl docs/benchmarks_scaling.png
 
 reads the JSON lines a bench script printed (save_restore, gcs or recovery)
 and draws them; the scripts' --plot calls `plot` on the lines they print.
 save_restore: per size, the median seconds of every save case and every
 restore case, coloured by system; gcs: the median seconds of every case, per
 dtype and size; recovery: per size, each case's median recovery time split
-into its phases. Needs matplotlib (not a dependency of the package: it comes
-with the [bench] extra, `pip install -e '.[bench]'`); without it `plot` warns
-and draws nothing.
+into its phases. `--scaling` (save_restore lines of several sizes, from one
+run or several concatenated): seconds against state size on log-log axes,
+ours and Orbax's save and restore cases, with a line of slope 1 (time
+growing linearly with the bytes) for reference. Needs matplotlib (not a
+dependency of the package: it comes with the [bench] extra,
+`pip install -e '.[bench]'`); without it `plot` warns and draws nothing.
 """
 from __future__ import annotations
 
@@ -110,14 +114,46 @@ def plot_recovery(plt, lines: list[dict], out: str) -> None:
     _save(plt, fig, out)
 
 
+SCALING = [("resilient_ckpt", "save_blocking"), ("orbax", "save_blocking"),
+           ("resilient_ckpt", "save_total"), ("orbax", "save_total"),
+           ("resilient_ckpt", "restore_ram"), ("resilient_ckpt", "restore_local_warm"),
+           ("orbax", "restore_local_warm"), ("resilient_ckpt", "restore_local_cold"),
+           ("orbax", "restore_local_cold")]
+
+
+def plot_scaling(plt, lines: list[dict], out: str) -> None:
+    rows = [ln for ln in lines if ln.get("bench") == "save_restore" and "case" in ln]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, kind in zip(axes, ("save", "restore")):
+        for system, case in [k for k in SCALING if k[1].startswith(kind)]:
+            pts = sorted((ln["bytes"] / 1e9, ln["median_s"]) for ln in rows
+                         if (ln["system"], ln["case"]) == (system, case))
+            if len(pts) < 2:
+                continue
+            style = "-" if system == "resilient_ckpt" else "--"
+            ax.plot(*zip(*pts), style, marker="o", label=f"{system}: {case}")
+        xs = sorted({ln["bytes"] / 1e9 for ln in rows})
+        if xs:
+            ax.plot(xs, [x / xs[0] * 0.1 for x in xs], ":", color="#888888",
+                    label="slope 1 (linear), for reference")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("state size, GB (8 CPU devices)")
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(kind, fontsize=10)
+        ax.legend(fontsize=7)
+    _save(plt, fig, out, "bench/save_restore.py: time against state size (lower is better)")
+
+
 PLOTS = {"save_restore": plot_save_restore, "gcs": plot_gcs, "recovery": plot_recovery}
 
 
-def plot(lines: list[dict], out: str) -> bool:
-    """Draws the lines of one bench into the PNG `out`; False, with a warning
-    on stderr, where there is no plot for that bench or no matplotlib."""
+def plot(lines: list[dict], out: str, scaling: bool = False) -> bool:
+    """Draws the lines of one bench into the PNG `out` (`scaling`: the
+    save_restore scaling plot); False, with a warning on stderr, where there
+    is no plot for that bench or no matplotlib."""
     bench = next((ln["bench"] for ln in lines if "bench" in ln), None)
-    draw = PLOTS.get(bench)
+    draw = plot_scaling if scaling else PLOTS.get(bench)
     if draw is None:
         sys.stderr.write(f"no plot: none is drawn for bench {bench!r}\n")
         return False
@@ -133,10 +169,12 @@ def plot(lines: list[dict], out: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    scaling = argv[:1] == ["--scaling"]
+    argv = argv[1:] if scaling else argv
     if len(argv) != 2 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    return 0 if plot(read_jsonl(argv[0]), argv[1]) else 1
+    return 0 if plot(read_jsonl(argv[0]), argv[1], scaling) else 1
 
 
 if __name__ == "__main__":
