@@ -495,7 +495,7 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
             add("resilient_ckpt", "restore_local_warm", t, extra)
             t, extra = ours.restore("local", step, abstract, True, check)
             add("resilient_ckpt", "restore_local_cold", t, extra)
-            if r == 0:
+            if r == repeats - 1:  # last: the bench's writer is reopened (a fresh pool) after it
                 add("resilient_ckpt", "save_blocking_first_after_restore",
                     ours.first_save_after_restore(step, abstract))
             ours.drop()
