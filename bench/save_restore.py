@@ -368,6 +368,14 @@ class Ours:
         trim()
         return t
 
+    def lose_ram_copy(self, step: int) -> None:
+        """Removes the RAM tier's copy of `step`, as a host that lost its memory
+        would (a restore reads the local tier when the RAM tier has no copy), so
+        the local restores run with what Orbax's run with: no RAM-tier copy in
+        /dev/shm (4 GB of a 24 GB machine at 4 GB)."""
+        shutil.rmtree(os.path.join(self.shm, str(step)), ignore_errors=True)
+        trim()
+
     def drop(self) -> None:
         for s in self.mngr.all_steps():
             self.mngr.delete(s)
@@ -491,6 +499,7 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
                 add("resilient_ckpt", case, t)
             t, extra = ours.restore("ram", step, abstract, False, check)
             add("resilient_ckpt", "restore_ram", t, extra)
+            ours.lose_ram_copy(step)
             t, extra = ours.restore("local", step, abstract, False, check)
             add("resilient_ckpt", "restore_local_warm", t, extra)
             t, extra = ours.restore("local", step, abstract, True, check)
