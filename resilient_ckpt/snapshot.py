@@ -8,7 +8,8 @@ save: the first save pays for touching fresh memory (0.6-1.3 GB/s on these
 machines, against 15-23 GB/s into memory already touched, per
 docs/environment.md; 2.8-3 GB/s on two threads), unless the pool faulted its
 slab in ahead (`HostPool.warm`: after a restore, or a save call that was not
-due); every later save of the same state copies into warm memory. The pool holds at most what the host-memory budget lets be in flight.
+due); every later save of the same state copies into warm memory. The pool
+holds at most what the host-memory budget lets be in flight.
 """
 from __future__ import annotations
 
