@@ -110,9 +110,12 @@ class ChunkReader:
         return self._from_tiers(c, where, read)
 
     def pieces(self, c: ChunkRecord, dtype: np.dtype,
-               parts: list[tuple[tuple[slice, ...], np.ndarray]], where: str) -> list:
+               parts: list[tuple[tuple[slice, ...], np.ndarray]], where: str,
+               in_place: bool = False) -> list:
         """Copies chunk[src] into dst for each (src, dst) of `parts`; returns
-        futures of the parts read straight into their destination meanwhile."""
+        futures of the parts read straight into their destination meanwhile
+        (from a disk tier, or with `in_place` from any tier: a RAM-tier
+        object is then read rather than mapped and copied)."""
         rpb = rows_per_block(c)
         if c.codec != "raw" or rpb is None:
             arr = self.whole(c, where, True).view(dtype).reshape(c.sizes)
@@ -122,7 +125,7 @@ class ChunkReader:
         first = next((t for t in self.choice.sources.get(c.key, ())
                       if (t, c.key) not in self.bad), None)
         futures = []
-        if first is not None and not self.storages[first].zero_copy:
+        if first is not None and (in_place or not self.storages[first].zero_copy):
             # Parts of whole rows go straight into place; only the rest is staged.
             # (Split by index: the parts are tuples, equal ones may be distinct.)
             flags = [_rows_in_place(c, src, dst) for src, dst in parts]

@@ -8,10 +8,13 @@ process's devices need are planned against the saved chunks and read through
 a `reader.ChunkReader`. Target shards that are exactly one saved chunk are
 used as read (on the CPU backend, aliased into the jax array without a copy).
 So host memory peaks at the restored state plus the reader's staging budget.
+An `Into` leaf (CPU backend) names an XLA-owned array that the bytes are read
+straight into, the elastic loop's touched reserve (`elastic.state`).
 """
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import gc
 import time
@@ -33,8 +36,24 @@ from .selection import Choice
 from .sharding import index_to_box, rebuild
 from .storage.base import Storage
 
-__all__ = ["ChunkReader", "RestoreRecord", "LeafTarget", "target_for", "restore_leaves",
-           "restore_choice"]
+__all__ = ["ChunkReader", "RestoreRecord", "LeafTarget", "Into", "target_for",
+           "restore_leaves", "restore_choice"]
+
+
+class Into(jax.ShapeDtypeStruct):
+    """A restore target leaf that is an existing jax array on the CPU backend,
+    which the restored bytes are written into, shard by shard, in place: the
+    restore returns that very array (XLA owns its memory, so the next step can
+    donate it, and no fresh memory is touched). The array must not be in use
+    by anything else while the restore runs. Where it cannot be written in
+    place (another backend or sharding, a cast, shards read from peers) the
+    leaf is restored as for a ShapeDtypeStruct."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: jax.Array):
+        super().__init__(array.shape, array.dtype, sharding=array.sharding)
+        self.array = array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +64,7 @@ class LeafTarget:
     shape: tuple | None = None
     dtype: Any = None
     sharding: jax.sharding.Sharding | None = None
+    into: jax.Array | None = None  # see Into
 
 
 def target_for(leaf: Any, restore_arg: Any = None) -> LeafTarget:
@@ -53,8 +73,9 @@ def target_for(leaf: Any, restore_arg: Any = None) -> LeafTarget:
     sharding = getattr(restore_arg, "sharding", None)
     dtype = getattr(restore_arg, "dtype", None)
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+        into = leaf.array if isinstance(leaf, Into) else None
         return LeafTarget("jax", tuple(leaf.shape), dtype or leaf.dtype,
-                          sharding or getattr(leaf, "sharding", None))
+                          sharding or getattr(leaf, "sharding", None), into)
     if isinstance(leaf, np.ndarray):
         return LeafTarget("numpy", tuple(leaf.shape), dtype or leaf.dtype)
     if sharding is not None:
@@ -109,22 +130,25 @@ def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
 
 
 def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
-                zero_copy: bool) -> Callable[[], dict]:
+                zero_copy: bool, dest: dict | None = None) -> Callable[[], dict]:
     """Starts reading the host arrays for each target box of one leaf; the
     returned call waits for them and returns them by box. Whole chunks, and
     boxes mapped from rows of several RAM-tier chunks (with their checksums),
-    are read on the reader's pool, so the next leaves' reads run meanwhile."""
+    are read on the reader's pool, so the next leaves' reads run meanwhile.
+    With `dest` (box -> array), every box is read into its array instead."""
     dtype = jnp.dtype(rec.dtype)
     wholes, mapped, plans = {}, {}, {}
     for box in boxes:
         plan = plan_target(box, rec.chunks, where)
-        if plan.single is not None:
+        if dest is not None:
+            plans[box] = plan
+        elif plan.single is not None:
             wholes[box] = reader.pool.submit(reader.whole, plan.single, where, zero_copy)
         elif zero_copy:
             mapped[box] = (plan, reader.pool.submit(reader.stitched, box, plan, dtype))
         else:
             plans[box] = plan
-    assembled = _assemble(plans, dtype, reader, where)
+    assembled = _assemble(plans, dtype, reader, where, dest)
 
     def done() -> dict:
         out, unmapped = assembled(), {}
@@ -141,22 +165,25 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
     return done
 
 
-def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str
-              ) -> Callable[[], dict]:
+def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str,
+              dest: dict | None = None) -> Callable[[], dict]:
     """Starts copying each box of `plans` (box -> plan) together from the
-    parts of the chunks it needs, into a buffer of its own; each chunk is read
-    once for all the boxes it serves. The returned call waits for the boxes."""
+    parts of the chunks it needs, into a buffer of its own (or its `dest`
+    array, every part read straight into place); each chunk is read once for
+    all the boxes it serves. The returned call waits for the boxes."""
     out, parts, chunks = {}, collections.defaultdict(list), {}
-    bufs = {box: reader.pool.submit(host_buffer, int(np.prod(box[1], dtype=np.int64))
-                                    * dtype.itemsize) for box in plans}  # faulted in parallel
+    bufs = {} if dest is not None else {
+        box: reader.pool.submit(host_buffer, int(np.prod(box[1], dtype=np.int64))
+                                * dtype.itemsize) for box in plans}  # faulted in parallel
     for box, plan in plans.items():
-        out[box] = bufs[box].result().view(dtype).reshape(box[1])
+        out[box] = dest[box] if dest is not None else \
+            bufs[box].result().view(dtype).reshape(box[1])
         for p in plan.pieces:
             parts[p.chunk.key].append((p.src, out[box][p.dst]))
             chunks[p.chunk.key] = p.chunk
     futures = []
     for key, c in chunks.items():
-        futures += reader.pieces(c, dtype, parts[key], where)
+        futures += reader.pieces(c, dtype, parts[key], where, in_place=dest is not None)
 
     def done() -> dict:
         for f in futures:
@@ -193,8 +220,10 @@ def _readable(box, rec: LeafRecord, where: str) -> bool:
 
 
 def _start_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReader,
-               where: str, cast: np.dtype | None = None) -> Callable[[], jax.Array]:
-    """Starts the reads of one jax leaf; the returned call assembles it."""
+               where: str, cast: np.dtype | None = None, into: jax.Array | None = None
+               ) -> Callable[[], jax.Array]:
+    """Starts the reads of one jax leaf; the returned call assembles it (or,
+    with `into`, fills that array in place and returns it)."""
     shape = rec.shape
     index_map = sharding.addressable_devices_indices_map(shape)
     by_box = collections.defaultdict(list)
@@ -207,21 +236,49 @@ def _start_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkRe
     boxes = list(by_box)
     missing = [] if reader.fills is None else [b for b in boxes
                                                if not _readable(b, rec, where)]
-    pending = _read_boxes(rec, [b for b in boxes if b not in missing], reader, where, cpu)
+    views = _writable(into, sharding, by_box) \
+        if into is not None and cpu and cast is None and not missing else None
+    pending = _read_boxes(rec, [b for b in boxes if b not in missing], reader, where, cpu,
+                          None if views is None else {b: v[0] for b, v in views.items()})
 
     def finish() -> jax.Array:
         host = pending()
-        if cast is not None:  # after the reader checked the stored bytes
-            host = {b: a.astype(cast) for b, a in host.items()}
-        for b in missing:  # filled from the peers' replicas, after every process read
-            host[b] = np.zeros(b[1], cast or jnp.dtype(rec.dtype))
-        out = _place(shape, sharding, host)
+        if views is not None:
+            for first, *others in views.values():  # a box several devices hold
+                for v in others:
+                    np.copyto(v, first)
+            assert into is not None  # views are made only with it
+            out = into
+        else:
+            if cast is not None:  # after the reader checked the stored bytes
+                host = {b: a.astype(cast) for b, a in host.items()}
+            for b in missing:  # filled from the peers' replicas, after every process read
+                host[b] = np.zeros(b[1], cast or jnp.dtype(rec.dtype))
+            out = _place(shape, sharding, host)
         if reader.fills is not None:
             gone = set(missing)
             reader.fills[where] = Hole(out, {d: b not in gone for b, ds in by_box.items()
                                              for d in ds}, out)
         return out
     return finish
+
+
+def _writable(into: jax.Array, sharding: jax.sharding.Sharding, by_box: dict
+              ) -> dict | None:
+    """Writable host views of `into`'s shards (CPU backend), by target box:
+    the views of the devices that hold each box, or None when `into` is not
+    on `sharding`, not alive or a scalar (whose box has no view)."""
+    if into.ndim == 0 or into.is_deleted() or into.sharding != sharding:
+        return None
+    shard = {s.device: s.data for s in into.addressable_shards}
+    views: dict[tuple, list[np.ndarray]] = {}
+    for box, devices in by_box.items():
+        views[box] = []
+        for d in devices:
+            data = shard[d]
+            raw = (ctypes.c_char * data.nbytes).from_address(data.unsafe_buffer_pointer())
+            views[box].append(np.frombuffer(raw, dtype=data.dtype).reshape(data.shape))
+    return views
 
 
 def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict) -> jax.Array:
@@ -267,7 +324,8 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
                 reader.fills[where].out, reader.fills[where].key_impl = key, rec.key_impl
             return key
         return key_leaf
-    return _start_jax(rec, sharding or _default_sharding(rec, where), reader, where, cast)
+    return _start_jax(rec, sharding or _default_sharding(rec, where), reader, where, cast,
+                      tgt.into)
 
 
 def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],

@@ -114,7 +114,7 @@ class Elastic:
     path. `build` must not depend on anything but the mesh.
 
     `reserve=True` (CPU backend): also keeps touched buffers for the state on
-    the likeliest smaller mesh, which a restore onto it is copied into, so the
+    the likeliest smaller mesh, which a restore onto it reads into, so the
     first step after it donates them instead of filling fresh memory; costs
     one more state in host memory (`state.StateReserve`; `el.reserve.wait()`).
 
@@ -230,8 +230,8 @@ class Elastic:
                                  "init given: pass init= to Elastic.restore")
             state, step, tiers = init(), init_step, {}
         else:
-            state, step, tiers = restore_latest(self.manager, abstract, args)
-            state = self.reserve.take(state, self.mesh)
+            target = abstract if args is not None else self.reserve.target(abstract, self.mesh)
+            state, step, tiers = restore_latest(self.manager, target, args)
         self._rec.restored(step, tiers, t0)
         return state, step
 
