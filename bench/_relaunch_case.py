@@ -10,8 +10,9 @@ removed (a lost host); the supervisor ends process 0 (SIGTERM, SIGKILL after
 --grace-s), starts a fresh pair, and each restores the newest step it can.
 A run is the time from the SIGKILL to the end of the first step after the
 restore (the slowest process's); its phases: detect (the supervisor sees the
-death), end (the survivor ended: SIGTERM, which jax.distributed's preemption
-notifier catches, so SIGKILL after the grace), start (the fresh pair
+death), end (the survivor ended by SIGTERM: jobenv.initialize takes it back
+from jax.distributed's preemption notifier; SIGKILL only after --grace-s),
+start (the fresh pair
 spawned), init (interpreter, imports, jax.distributed formed), open (the
 manager opened), restore, first_step. Systems, interleaved per repeat:
 

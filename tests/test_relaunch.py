@@ -187,6 +187,9 @@ def test_lost_host_relaunch_resumes_exactly(hosts, nprocs, devices):
     assert rc == 0 and len(sup.timeline) == 1, what
     rec = sup.timeline[0]
     assert rec.failed == {victim: "SIGKILL"}, what
+    # jobenv.initialize gives SIGTERM back its default under the supervisor
+    # (jax's preemption notifier would swallow it): no survivor waits for SIGKILL.
+    assert rec.forced == (), f"survivors needed SIGKILL after the grace: {rec.forced}\n{what}"
     assert rec.last_step is not None and KILL_AFTER <= rec.last_step < STEPS, what
 
     launches = sup.reports()

@@ -3,7 +3,8 @@
 This module owns the launch contract between `elastic.supervisor` (or any
 launcher that sets the same variables) and the training script: the names of
 the environment variables, `JobEnv` (the values read once, explicitly, by
-`from_env`), `initialize`, which forms the `jax.distributed` job from them,
+`from_env`), `initialize`, which forms the `jax.distributed` job from them (and
+says whether SIGTERM ends the process),
 and `report`, which appends a progress line (a step done, a restore) to the
 file the supervisor watches. Nothing else in the package reads these
 variables; without them `initialize` leaves the job's shape to jax's own
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -74,23 +76,33 @@ def from_env(env: Mapping[str, str] | None = None) -> JobEnv:
     return job
 
 
-def initialize(job: JobEnv | None = None, **kwargs: Any) -> JobEnv:
+def initialize(job: JobEnv | None = None, *, end_on_sigterm: bool | None = None,
+               **kwargs: Any) -> JobEnv:
     """Forms the jax.distributed job. With the supervisor's variables set: from
     them (a job of one process skips it). Without: `jax.distributed.initialize(
     **kwargs)`, which finds the job's shape itself on a cluster it knows (GKE
     and Cloud TPU, Slurm, Open MPI) or from `kwargs` and JAX_COORDINATOR_ADDRESS,
     and raises elsewhere. Call it before any device is used; `kwargs` also go
-    to the supervised call (timeouts, for instance). Returns the contract used."""
+    to the supervised call (timeouts, for instance). Returns the contract used.
+
+    `end_on_sigterm`: jax.distributed catches SIGTERM as a preemption notice
+    (what `multihost_utils.reached_preemption_sync_point` reads), so the
+    process goes on until SIGKILL. True gives SIGTERM back its default, ending
+    the process at once: a scheduler's or the supervisor's "this launch is
+    over" then takes milliseconds instead of the whole grace period (committed
+    steps are whole; a write in flight is never committed, its leftovers are
+    swept). Default: True under the supervisor, False otherwise (keep jax's
+    notice when the loop saves at the preemption sync point)."""
     import jax
     job = from_env() if job is None else job
     if not job.supervised:
         jax.distributed.initialize(**kwargs)
-        return job
-    if job.num_processes == 1:
-        return job
-    jax.distributed.initialize(coordinator_address=job.coordinator,
-                               num_processes=job.num_processes,
-                               process_id=job.process_id, **kwargs)
+    elif job.num_processes != 1:
+        jax.distributed.initialize(coordinator_address=job.coordinator,
+                                   num_processes=job.num_processes,
+                                   process_id=job.process_id, **kwargs)
+    if job.supervised if end_on_sigterm is None else end_on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # after jax installed its notifier
     return job
 
 
