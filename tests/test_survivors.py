@@ -97,6 +97,8 @@ def train(mesh):
     init = host_init()
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in init.items()}
     step_fn = jax.jit(jax_step, out_shardings=sh)
+    if el.timeline:
+        mh.mark(f"recovering {len(el.timeline)}")  # the restore after a failure starts now
     state, start = el.restore(abstract, lambda: {
         k: jax.make_array_from_callback(v.shape, sh[k], lambda i, v=v: v[i])
         for k, v in init.items()})
@@ -188,6 +190,35 @@ def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
     assert _manifests(hosts["dir"], 9) == [f"manifest.{i}-of-{n}.json" for i in range(n)]
     assert 9 in step_dirs(hosts["dir"])
     json.dumps(alive[0].last("done"))  # the events are plain data
+
+
+def test_a_second_loss_during_the_recovery_is_recovered_from_too(hosts):
+    """4 processes: process 2 is lost at step 8; process 1 is killed as the
+    survivors start restoring (their restore's agreements then time out, a
+    second failure before any progress). Processes 0 and 3 go on, with the
+    attempt budget (2) spent on the two, and end exactly."""
+    die_at, total = 8, 11
+    job = start_job(WORKER, 4, 2, args=[
+        "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", "2",
+        "--die-at", str(die_at), "--total", str(total)],
+        timeout_s=150, env={**ENV, "RC_HEARTBEAT_TIMEOUT_S": "5"}, fail_fast_s=30)
+    job.kill_after(2, 0.5, after="dying")
+    job.kill_after(1, 0.0, after="recovering 1")
+    results = job.collect()
+    why = describe(results)
+    assert results[2].killed and results[1].killed, why
+    for r in (results[0], results[3]):
+        assert r.rc == 0 and not r.reaped, why
+        done = r.last("done")
+        assert done and done["exact"] == [] and done["again_exact"] == [], why
+        failures = [e for e in done["events"] if e["kind"] == "failure"]
+        assert len(failures) == 2, done["events"]
+        first, second = (set(f["lost_devices"]) for f in failures)
+        # process 2's two devices, then those and process 1's
+        assert len(first) == 2 and first < second and len(second) == 4, failures
+        assert failures[1]["attempt"] == 2 and failures[1]["outcome"] == "resumed", failures
+        assert r.last("restored")["mesh"] == {"data": 2, "model": 2}, why
+        assert done["latest"] == total, why
 
 
 def test_a_lone_survivor_restores_the_newest_step_from_its_own_ram(hosts):
