@@ -45,7 +45,9 @@ class Into(jax.ShapeDtypeStruct):
     which the restored bytes are written into, shard by shard, in place: the
     restore returns that very array (XLA owns its memory, so the next step can
     donate it, and no fresh memory is touched). The array must not be in use
-    by anything else while the restore runs. Where it cannot be written in
+    by anything else while the restore runs, nor share its memory with a
+    numpy array (on CPU, `device_put` of a numpy array may alias it: that
+    array would be overwritten too). Where it cannot be written in
     place (another backend or sharding, a cast, shards read from peers) the
     leaf is restored as for a ShapeDtypeStruct."""
 
