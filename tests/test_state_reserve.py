@@ -187,6 +187,13 @@ def test_an_into_leaf_that_cannot_be_written_in_place_is_left_alone(meshes):
     assert not np.asarray(cast).any()  # never written
 
 
+def test_a_target_of_concrete_arrays_gets_the_reserve_too(meshes):
+    full, small = meshes
+    r = ready_reserve(full, small)
+    target = r.target(zeros_on(abstract_on(small)), small)  # arrays as the restore target
+    assert isinstance(target["emb"], Into) and isinstance(target["mom"], Into)
+
+
 def test_a_state_that_does_not_fit_is_left_as_it_is(meshes):
     full, small = meshes
     r = ready_reserve(full, small)

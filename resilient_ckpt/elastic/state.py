@@ -123,7 +123,8 @@ class _Spare:
 
     def matches(self, leaves: list, treedef: Any) -> bool:
         return treedef == self.treedef and all(
-            isinstance(leaves[i], jax.ShapeDtypeStruct) and leaves[i].shape == t.shape
+            isinstance(leaves[i], (jax.ShapeDtypeStruct, jax.Array))
+            and leaves[i].shape == t.shape
             and leaves[i].dtype == t.dtype and leaves[i].sharding == t.sharding
             for i, t in zip(self.index, self.targets, strict=True))
 
