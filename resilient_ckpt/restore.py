@@ -173,19 +173,19 @@ def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str,
     parts of the chunks it needs, into a buffer of its own (or its `dest`
     array, every part read straight into place); each chunk is read once for
     all the boxes it serves. The returned call waits for the boxes."""
-    out, parts, chunks = {}, collections.defaultdict(list), {}
-    bufs = {} if dest is not None else {
-        box: reader.pool.submit(host_buffer, int(np.prod(box[1], dtype=np.int64))
-                                * dtype.itemsize) for box in plans}  # faulted in parallel
+    in_place = dest is not None
+    if dest is None:
+        bufs = {box: reader.pool.submit(host_buffer, int(np.prod(box[1], dtype=np.int64))
+                                        * dtype.itemsize) for box in plans}  # in parallel
+        dest = {box: f.result().view(dtype).reshape(box[1]) for box, f in bufs.items()}
+    out, parts, chunks = {box: dest[box] for box in plans}, collections.defaultdict(list), {}
     for box, plan in plans.items():
-        out[box] = dest[box] if dest is not None else \
-            bufs[box].result().view(dtype).reshape(box[1])
         for p in plan.pieces:
             parts[p.chunk.key].append((p.src, out[box][p.dst]))
             chunks[p.chunk.key] = p.chunk
     futures = []
     for key, c in chunks.items():
-        futures += reader.pieces(c, dtype, parts[key], where, in_place=dest is not None)
+        futures += reader.pieces(c, dtype, parts[key], where, in_place=in_place)
 
     def done() -> dict:
         for f in futures:

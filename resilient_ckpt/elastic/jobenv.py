@@ -101,7 +101,9 @@ def initialize(job: JobEnv | None = None, *, end_on_sigterm: bool | None = None,
         jax.distributed.initialize(coordinator_address=job.coordinator,
                                    num_processes=job.num_processes,
                                    process_id=job.process_id, **kwargs)
-    if job.supervised if end_on_sigterm is None else end_on_sigterm:
+    if end_on_sigterm is None:
+        end_on_sigterm = job.supervised
+    if end_on_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # after jax installed its notifier
     return job
 
