@@ -1,6 +1,7 @@
 """A manager with a RAM tier under /dev/shm and a local tier (none with
 local_every=None), in fresh directories that are removed on exit: the
-elastic-loop tests' shared set-up."""
+elastic-loop tests' shared set-up; and `flip`, the corruption tests' byte flip
+of a stored file."""
 import contextlib
 import shutil
 import tempfile
@@ -22,3 +23,14 @@ def manager(ram_every: int = 2, local_every: int | None = 5, keep: int | None = 
         mngr.close()
         shutil.rmtree(local, ignore_errors=True)
         shutil.rmtree(ram, ignore_errors=True)
+
+
+def flip(path: str, at: int | None = None) -> None:
+    """Flips bits of one byte of the file at `path` in place (the middle one,
+    or `at`): its size stays, only a checksum can tell."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        i = len(data) // 2 if at is None else at
+        data[i] ^= 0x5A
+        f.seek(0)
+        f.write(data)

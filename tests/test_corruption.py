@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from _tiers import flip
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import resilient_ckpt as rc
@@ -114,15 +115,6 @@ def dirs(tmp_path):
         yield d
     finally:
         shutil.rmtree(ram, ignore_errors=True)
-
-
-def flip(path: str, at: int | None = None) -> None:
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        i = len(data) // 2 if at is None else at
-        data[i] ^= 0x5A
-        f.seek(0)
-        f.write(data)
 
 
 def truncate(path: str) -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
+from _tiers import flip  # noqa: E402
 from test_parity import NS, OURS, P, _mesh, assert_same_tree, run_both  # noqa: E402
 
 import resilient_ckpt as rc  # noqa: E402
@@ -193,18 +194,10 @@ def _chunk_of(d: str, leaf: tuple) -> str:
     return os.path.join(step, lf.chunks[0].key)
 
 
-def _flip(path: str) -> None:
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        data[len(data) // 2] ^= 0x5A
-        f.seek(0)
-        f.write(data)
-
-
 def test_placeholder_leaves_are_not_read_and_standard_restore_takes_them(tmp_path):
     d = str(tmp_path / "p")
     _saved(OURS, d).close()
-    _flip(_chunk_of(d, (("key", "a"),)))
+    flip(_chunk_of(d, (("key", "a"),)))
     with rc.CheckpointManager(d) as m:
         # Orbax's StandardRestore refuses PLACEHOLDER (ValueError); ours takes it.
         got = m.restore(0, args=ocp.args.StandardRestore(
@@ -279,7 +272,7 @@ def test_cast_comes_after_the_checksum_and_shapes_still_must_match(tmp_path):
     with rc.CheckpointManager(tmp_path / OURS.name) as m:
         with pytest.raises(rc.TargetMismatchError, match=r"leaf \['a'\].*shape \(6,\).*\(5,\)"):
             shape(OURS, str(tmp_path / "again"))
-        _flip(_chunk_of(str(tmp_path / OURS.name), (("key", "a"),)))
+        flip(_chunk_of(str(tmp_path / OURS.name), (("key", "a"),)))
         with pytest.raises(rc.CorruptCheckpointError):
             m.restore(0, args=ocp.args.StandardRestore(CAST_TARGETS["jax"]()))
     # A key is never cast to a number.

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _tiers import manager as tiers_manager
+from _tiers import flip, manager as tiers_manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import Elastic
@@ -113,16 +113,13 @@ def test_restore_lands_in_the_reserve_and_the_next_step_donates_it(meshes):
 
 
 def _flip_ram_copies(mngr, step: int) -> int:
-    """Flips one byte in every RAM-tier chunk file of `step`; returns how many."""
+    """Flips a byte in every RAM-tier chunk file of `step`; returns how many."""
     ram = next(t for t in mngr.tiers if t.name == "ram")
     d = os.path.join(ram.storage.root, str(step))
     n = 0
     for name in os.listdir(d):
         if not name.startswith(("manifest", ".")):
-            with open(os.path.join(d, name), "r+b") as f:
-                b = f.read(1)
-                f.seek(0)
-                f.write(bytes([b[0] ^ 0xFF]))
+            flip(os.path.join(d, name))
             n += 1
     return n
 
