@@ -286,6 +286,13 @@ class Limit:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def tier_seconds(tw, name: str, step: int) -> float:
+    """A tier write's seconds; raises if that tier did not save `step`."""
+    if isinstance(tw, str) or not tw.ok:
+        raise RuntimeError(f"tier {name} did not save step {step}: {tw}")
+    return tw.seconds
+
+
 class Ours:
     def __init__(self, workdir: str, shm_dir: str):
         import resilient_ckpt as rc
@@ -313,9 +320,7 @@ class Ours:
         rec = self.mngr.save_records[-1]
         out = {"save_blocking": blocking, "save_total": total, "save_snapshot": rec.snapshot_s}
         for name, tw in rec.tiers.items():
-            if isinstance(tw, str) or not tw.ok:
-                raise RuntimeError(f"tier {name} did not save step {step}: {tw}")
-            out[f"save_tier_{name}"] = tw.seconds
+            out[f"save_tier_{name}"] = tier_seconds(tw, name, step)
         return out
 
     def reader(self, tier: str):
@@ -378,10 +383,7 @@ class Ours:
         try:
             assert mngr.save(step, args=ocp.args.StandardSave(state)), f"step {step} not saved"
             mngr.wait_until_finished()
-            tw = mngr.save_records[-1].tiers["local"]
-            if isinstance(tw, str) or not tw.ok:
-                raise RuntimeError(f"the local tier alone did not save step {step}: {tw}")
-            return tw.seconds
+            return tier_seconds(mngr.save_records[-1].tiers["local"], "local (alone)", step)
         finally:
             mngr.close()
             shutil.rmtree(d, ignore_errors=True)
