@@ -17,7 +17,7 @@ import pytest
 
 from resilient_ckpt import commit, layout
 from resilient_ckpt.storage import FileStorage
-from resilient_ckpt.storage import files as files_mod
+from resilient_ckpt.storage import direct as direct_mod, files as files_mod
 
 
 def test_cleanup_removes_dead_leftovers_and_spares_live_and_committed(tmp_path):
@@ -131,7 +131,7 @@ def test_a_refused_direct_write_is_written_through_the_cache(tmp_path, monkeypat
         return real_pwrite(fd, data, pos)
 
     monkeypatch.setattr(files_mod.os, "open", open_)
-    monkeypatch.setattr(files_mod.os, "pwrite", pwrite)
+    monkeypatch.setattr(direct_mod.os, "pwrite", pwrite)
     s = FileStorage(str(tmp_path), "local", direct=True)
     data = _aligned((3 << 20) + 5)
     s.put("1/chunk", data.data)

@@ -7,12 +7,7 @@ itself uses `put_if_absent`: the temporary is hard-linked to the final name,
 which fails if the name exists, so two writers can never both commit a step.
 With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
 copy-on-write mappings of objects instead of copies. With `direct` (the local
-tier) big objects whose bytes start on a block boundary (a snapshot's chunks)
-are written with O_DIRECT, straight from host memory to the disk: no page
-cache is filled, so a save neither needs that much fresh memory nor waits on
-dirty-page throttling (4 GB in 3.3-3.6 s against 7.9-9.4 s buffered here,
-docs/benchmarks.md); a file system that refuses it is written through the
-page cache.
+tier) a snapshot's chunks are written with O_DIRECT (storage/direct.py).
 
 Nothing below the root is ever followed. Every key is walked from the root
 one directory descriptor at a time with O_NOFOLLOW (`*at` calls on that
@@ -29,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import stat
@@ -38,6 +32,7 @@ import numpy as np
 
 from ..errors import StorageError
 from ..layout import Writer
+from . import direct as odirect
 from .base import Storage, check_size
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -47,10 +42,6 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # something other than a directory on the way, or a link on the way (a link
 # opened as a directory with O_NOFOLLOW fails with ENOTDIR, as a file ELOOP).
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
-# O_DIRECT wants addresses, lengths and offsets on the device's block size:
-# 4096 covers 512-byte and 4K disks. Smaller objects go through the page cache.
-_BLOCK = 4096
-_DIRECT_MIN = 1 << 20
 
 
 class _Walker:
@@ -185,7 +176,7 @@ class FileStorage(_Walker, Storage):
         self.root = os.path.abspath(root)  # as given: for messages and identity
         self.kind = kind
         self.zero_copy = zero_copy  # only on tmpfs: see map()
-        self._direct = direct and hasattr(os, "O_DIRECT")  # off once the file system refuses it
+        self._direct = direct  # off once the file system refuses O_DIRECT
         self.url = self.root
         self._fsync = fsync
         self._writer = Writer.me()
@@ -203,11 +194,12 @@ class FileStorage(_Walker, Storage):
         """A temporary beside `name` in directory `d`, written (and fsynced)."""
         tmp = self._writer.tmp_name(name)
         view = memoryview(data).cast("B")
-        direct = (self._direct and len(view) >= _DIRECT_MIN
-                  and np.frombuffer(view, np.uint8).ctypes.data % _BLOCK == 0)
-        fd = self._create(d, tmp, direct)
+        fd, direct = self._create(d, tmp, self._direct and odirect.qualifies(view))
         try:
-            if not (direct and self._written_direct(fd, view)):
+            if direct and not odirect.write(fd, view):
+                self._direct = False  # an alignment this file system refuses
+                direct = False
+            if not direct:
                 while view:
                     view = view[os.write(fd, view):]
             if self._fsync:
@@ -219,43 +211,18 @@ class FileStorage(_Walker, Storage):
         os.close(fd)
         return tmp
 
-    def _create(self, d: int, tmp: str, direct: bool) -> int:
+    def _create(self, d: int, tmp: str, direct: bool) -> tuple[int, bool]:
+        """The temporary, created; whether it is open with O_DIRECT."""
         if direct:
             try:
-                return os.open(tmp, _CREATE | os.O_DIRECT, 0o644, dir_fd=d)
+                return os.open(tmp, _CREATE | odirect.FLAG, 0o644, dir_fd=d), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                self._direct = False  # this file system takes no O_DIRECT (tmpfs, FUSE, ...)
+                self._direct = False  # this file system takes no O_DIRECT (FUSE, ...)
                 _unlink_quietly(d, tmp)  # created before the flag was refused
-        return os.open(tmp, _CREATE, 0o644, dir_fd=d)
+        return os.open(tmp, _CREATE, 0o644, dir_fd=d), False
 
-    def _written_direct(self, fd: int, view: memoryview) -> bool:
-        """Writes `view` to `fd` (opened O_DIRECT): its whole blocks straight
-        from it, the last part through a zero-padded page, the size then cut
-        back. False, with the file emptied and O_DIRECT cleared, where the
-        kernel refuses the alignment: the caller writes it through the cache."""
-        whole = len(view) - len(view) % _BLOCK
-        try:
-            pos = 0
-            while pos < whole:
-                n = os.pwrite(fd, view[pos:whole], pos)
-                if n <= 0 or n % _BLOCK:
-                    raise OSError(errno.EINVAL, "short unaligned direct write")
-                pos += n
-            if whole < len(view):
-                with mmap.mmap(-1, _BLOCK) as page:
-                    page[:len(view) - whole] = view[whole:]
-                    os.pwrite(fd, page, whole)
-                os.ftruncate(fd, len(view))
-            return True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-        self._direct = False
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        os.ftruncate(fd, 0)
-        return False
 
     def put(self, key: str, data) -> None:
         dirs, name = self._split(key)
