@@ -291,6 +291,16 @@ class CheckpointManager:
         self.close()
 
 
+def warmed(manager: Any, state: Any) -> Any:
+    """`state`, after one of our managers started faulting in, in the
+    background and once, the host memory a save of it takes (as a save call
+    that was not due does), so that a fresh job's first save copies into
+    touched memory; another manager (Orbax's) is left alone."""
+    if isinstance(manager, CheckpointManager):
+        manager._saver.warm([state])
+    return state
+
+
 def _clean(tiers: list[Tier], naming: StepNaming, process_index: int) -> None:
     """Removes dead writers' leftovers from every tier, beside the program: it
     asks jax nothing (its backend may be shutting down)."""

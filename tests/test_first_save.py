@@ -63,3 +63,15 @@ def test_a_restore_warms_the_next_save():
             restored = again.restore(2, args=ocp.args.StandardRestore(_abstract(_state(2))))
             assert again.save(4, args=ocp.args.StandardSave(restored))
             assert again.save_records[-1].fresh_bytes == 0
+
+
+def test_a_fresh_elastic_job_s_first_save_copies_into_warm_memory():
+    from resilient_ckpt.elastic import Elastic
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    with manager(ram_every=1, local_every=None) as mngr:
+        el = Elastic(mngr, mesh, data_axis="x", health_check=lambda devices, timeout: list(devices))
+        state, step = el.restore(_abstract(_state(0)), init=lambda: _state(0))
+        assert step == 0
+        assert el.save(0, state)  # nothing to restore: init(), then the job's first save
+        rec = mngr.save_records[-1]
+        assert rec.fresh_bytes == 0 and rec.bytes >= 4 * 2**20
