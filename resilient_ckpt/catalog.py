@@ -105,6 +105,7 @@ class Catalog:
         self._orbax: set[int] = set()
         self._bad: set[tuple[str, str]] = set()
         self._cache: dict[int, selection.Choice] | None = None
+        self._memo: dict = {}  # selection.viable's, per step: unchanged steps not judged again
         self._in_flight: dict[int, tuple[float, Any]] = {}  # step -> (created, metrics)
 
     @property
@@ -196,7 +197,7 @@ class Catalog:
         with self._lock:
             if self._cache is None:
                 self._cache = selection.viable(self._observations(), self.names,
-                                               frozenset(self._bad))
+                                               frozenset(self._bad), self._memo)
             return self._cache
 
     def viable_if_intact(self) -> dict[int, selection.Choice]:

@@ -57,7 +57,7 @@ class Saver:
                            cf.ThreadPoolExecutor(1, thread_name_prefix=f"rc-{p.name}"),
                            cf.ThreadPoolExecutor(p.own_io, thread_name_prefix=f"rc-{p.name}-io")
                            if p.own_io else self._io) for p in plan.tiers]
-        self._copy = cf.ThreadPoolExecutor(2, thread_name_prefix="rc-copy")
+        self._copy = cf.ThreadPoolExecutor(snapshot.COPY_THREADS, thread_name_prefix="rc-copy")
         self._flying = InFlight(catalog.invalidate, budget, over_budget)
         self._flying.unpinned = self._unpinned
         self._errors: list[SaveFailedError] = []

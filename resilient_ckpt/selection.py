@@ -112,21 +112,43 @@ def _combine(step, save_id, combo, sizes, rank, bad) -> Choice | None:
 
 
 def viable(observations: Mapping[int, Sequence[TierStep]], tier_order: Sequence[str],
-           bad: frozenset = frozenset()) -> dict[int, Choice]:
+           bad: frozenset = frozenset(), memo: dict | None = None) -> dict[int, Choice]:
     """Every viable step, mapped to its choice (the newest viable save of it).
 
-    `bad` holds (tier, object key) pairs known to fail their checksum.
+    `bad` holds (tier, object key) pairs known to fail their checksum. `memo`
+    (kept by the caller between calls, rewritten by each) holds each step's
+    answer with the very TierStep objects and `bad` it came from: a step whose
+    views are the same objects is not judged again (a step's chunks took 0.04 s
+    to judge at 3000 chunks, on the training thread, after every commit).
     """
-    out = {}
+    out, seen = {}, {}
+    basis = (bad, tuple(tier_order))
     for step, views in observations.items():
-        save_ids = {(m.created, m.save_id) for ts in views for m in ts.manifests
-                    if isinstance(m, Manifest) and m.step == step}
-        for _, sid in sorted(save_ids, reverse=True):
-            c = _candidate(step, sid, views, tier_order, bad)
-            if c is not None:
-                out[step] = c
-                break
+        views = tuple(views)
+        old = memo.get(step) if memo is not None else None
+        if old is not None and old[0] == basis and len(old[1]) == len(views) and all(
+                a is b for a, b in zip(old[1], views, strict=True)):
+            c = old[2]
+        else:
+            c = _newest_viable_save(step, views, tier_order, bad)
+        seen[step] = (basis, views, c)
+        if c is not None:
+            out[step] = c
+    if memo is not None:
+        memo.clear()
+        memo.update(seen)
     return out
+
+
+def _newest_viable_save(step: int, views: Sequence[TierStep], tier_order: Sequence[str],
+                        bad: frozenset) -> Choice | None:
+    save_ids = {(m.created, m.save_id) for ts in views for m in ts.manifests
+                if isinstance(m, Manifest) and m.step == step}
+    for _, sid in sorted(save_ids, reverse=True):
+        c = _candidate(step, sid, views, tier_order, bad)
+        if c is not None:
+            return c
+    return None
 
 
 def last_viable(observations: Mapping[int, Sequence[TierStep]], tier_order: Sequence[str],

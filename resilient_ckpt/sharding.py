@@ -6,6 +6,7 @@ and writes / rebuilds the JSON description of a jax sharding kept in manifests.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -49,7 +50,7 @@ def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 
 def box_elements(box: Box) -> int:
-    return int(np.prod(box[1], dtype=np.int64))
+    return int(math.prod(box[1]))  # 20x quicker than np.prod on a few ints
 
 
 def describe(sharding: jax.sharding.Sharding) -> dict:

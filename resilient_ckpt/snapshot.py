@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import mmap
 import threading
 from typing import Any
@@ -31,6 +32,7 @@ from .pytree import flatten, leaf_kind
 from .sharding import describe, index_to_box
 
 _ALIGN = 4096
+COPY_THREADS = 2  # the copy pool's (saver.py): a snapshot gives each one job
 log = logging.getLogger("resilient_ckpt")
 
 
@@ -251,7 +253,7 @@ def as_bytes(a: np.ndarray) -> np.ndarray:
 def slab_layout(sources: list) -> tuple[list[int], list[int], int]:
     """(bytes, slab offset) of each of `describe_items`'s sources, and the
     slab's size (every source page-aligned in it)."""
-    sizes = [int(np.prod(box[1], dtype=np.int64)) * np.dtype(src.dtype).itemsize
+    sizes = [math.prod(box[1]) * np.dtype(src.dtype).itemsize
              for _, _, box, _, src, _ in sources]
     offsets, total = [], 0
     for n in sizes:
@@ -275,15 +277,17 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
                                 if flat is not None else np.zeros(0, np.uint8),
                                 np.dtype(src.dtype).itemsize, primary=primary))
 
-    def copy(i: int) -> None:
-        np.copyto(chunks[i].data, as_bytes(np.asarray(sources[i][4])))
+    def copy(batch: list[int]) -> None:
+        for i in batch:
+            np.copyto(chunks[i].data, as_bytes(np.asarray(sources[i][4])))
 
     order = sorted(range(len(sources)), key=lambda i: -sizes[i])
     if executor is None or len(order) < 2:
-        for i in order:
-            copy(i)
-    else:
-        for f in [executor.submit(copy, i) for i in order]:
+        copy(order)
+    else:  # one job per copy thread, largest first, dealt in turn: a future per
+        # shard cost the training thread 0.1 s at 3000 shards (py-spy)
+        for f in [executor.submit(copy, order[j::COPY_THREADS])
+                  for j in range(COPY_THREADS)]:
             f.result()
     return Snapshot(step, save_id, items, chunks, total, slab,
                     fresh_bytes=len(slab) if fresh and slab is not None else 0)

@@ -168,3 +168,26 @@ def test_multi_process_step_needs_every_process_manifest():
     c = last_viable(obs, TIERS)
     assert c.step == 3 and c.sources == {"k0": ("local",), "k1": ("ram",)}
     assert np.sum([len(lf.chunks) for lf in c.manifest.items[0].leaves]) == 2
+
+
+def _summary(choices):
+    return {s: (c.save_id, dict(c.sources)) for s, c in choices.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(worlds(), worlds(), st.data())
+def test_a_memo_carried_between_calls_never_changes_the_answer(w1, w2, data):
+    # A catalog between two calls: some steps' views kept as the very same
+    # objects, others replaced (a commit, a delete, a re-read), new ones added,
+    # and maybe a copy found bad; the memo must reuse only what did not change.
+    before = observations(*w1)
+    memo: dict = {}
+    assert _summary(viable(before, TIERS, memo=memo)) == _summary(viable(before, TIERS))
+    after = observations(*w2)
+    for s in before:
+        if data.draw(st.booleans()):
+            after[s] = before[s]  # unchanged: the same objects
+    keys = sorted({(ts.tier, k) for views in after.values() for ts in views for k in ts.sizes})
+    bad = frozenset(data.draw(st.lists(st.sampled_from(keys), max_size=2)) if keys else ())
+    assert _summary(viable(after, TIERS, bad, memo)) == _summary(viable(after, TIERS, bad))
+    assert _summary(viable(after, TIERS, bad, memo)) == _summary(viable(after, TIERS, bad))
