@@ -223,7 +223,6 @@ class FileStorage(_Walker, Storage):
                 _unlink_quietly(d, tmp)  # created before the flag was refused
         return os.open(tmp, _CREATE, 0o644, dir_fd=d), False
 
-
     def put(self, key: str, data) -> None:
         dirs, name = self._split(key)
         with self._failing("write of", key), self._dir(dirs, create=True) as d:
