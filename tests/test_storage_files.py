@@ -121,7 +121,7 @@ def test_a_refused_direct_write_is_written_through_the_cache(tmp_path, monkeypat
 
     def open_(path, flags, *a, **kw):
         if refused == "open" and flags & os.O_DIRECT:
-            real_open(path, flags & ~os.O_DIRECT, *a, **kw)  # the kernel creates it, then refuses
+            os.close(real_open(path, flags & ~os.O_DIRECT, *a, **kw))  # created, then refused
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a, **kw)
 
