@@ -39,7 +39,7 @@ from .errors import CorruptCheckpointError, MissingDependencyError
 from .manifest import ChunkRecord, ItemRecord, Manifest
 from .planner import block_bytes_for
 from .pytree import flatten, leaf_kind
-from .sharding import index_to_box
+from .sharding import box_elements, index_to_box
 from .storage.base import Storage
 from .transfer import Encoding
 
@@ -122,7 +122,7 @@ def take(step: int, save_id: str, items: list, records: list[ItemRecord], source
         if isinstance(src, jax.Array):  # replica 0 of a box: written by its device's host
             g, devices = where[(ii, li)]
             itemsize = np.dtype(src.dtype).itemsize
-            n = int(np.prod(box[1], dtype=np.int64)) * itemsize
+            n = box_elements(box) * itemsize
             bb = block_bytes_for(box[1], itemsize) if n else 0
             g.rows[devices.index(next(iter(src.devices())))].append(
                 (ii, li, ChunkRecord(box[0], box[1], key, n, n, 0, "raw", bb)))

@@ -26,6 +26,7 @@ from .hostmem import Region, host_buffer
 from .manifest import ChunkRecord
 from .planner import blocks_for_rows, rows_per_block
 from .selection import Choice
+from .sharding import box_elements
 from .storage.base import Storage
 
 
@@ -226,7 +227,7 @@ class ChunkReader:
                     or not self.storages[tier].zero_copy:
                 return None
             picks.append((p, tier))
-        total = int(np.prod(box[1], dtype=np.int64)) * dtype.itemsize
+        total = box_elements(box) * dtype.itemsize
         region, dest, placed = Region(total), 0, []
         for p, tier in picks:
             c = p.chunk

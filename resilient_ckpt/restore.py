@@ -33,7 +33,7 @@ from .planner import plan_target
 from .pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
 from .reader import ChunkReader, RestoreRecord
 from .selection import Choice
-from .sharding import index_to_box, rebuild
+from .sharding import box_elements, index_to_box, rebuild
 from .storage.base import Storage
 
 __all__ = ["ChunkReader", "RestoreRecord", "LeafTarget", "Into", "target_for",
@@ -175,8 +175,8 @@ def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str,
     all the boxes it serves. The returned call waits for the boxes."""
     in_place = dest is not None
     if dest is None:
-        bufs = {box: reader.pool.submit(host_buffer, int(np.prod(box[1], dtype=np.int64))
-                                        * dtype.itemsize) for box in plans}  # in parallel
+        bufs = {box: reader.pool.submit(host_buffer, box_elements(box) * dtype.itemsize)
+                for box in plans}  # faulted in parallel
         dest = {box: f.result().view(dtype).reshape(box[1]) for box, f in bufs.items()}
     out, parts, chunks = {box: dest[box] for box in plans}, collections.defaultdict(list), {}
     for box, plan in plans.items():
@@ -206,7 +206,7 @@ class Hole:
     def missing_bytes(self) -> int:
         boxes = {index_to_box(s.index, self.array.shape) for s in self.array.addressable_shards
                  if not self.have[s.device]}
-        return sum(int(np.prod(b[1], dtype=np.int64)) for b in boxes) * self.array.dtype.itemsize
+        return sum(box_elements(b) for b in boxes) * self.array.dtype.itemsize
 
     def filled(self, array: jax.Array) -> Any:
         return array if self.key_impl is None else jax.random.wrap_key_data(

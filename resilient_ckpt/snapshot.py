@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
-import math
 import mmap
 import threading
 from typing import Any
@@ -29,7 +28,7 @@ from .hostmem import host_mmap
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, encode_scalar
 from .planner import block_bytes_for, unique_boxes
 from .pytree import flatten, leaf_kind
-from .sharding import describe, index_to_box
+from .sharding import box_elements, describe, index_to_box
 
 _ALIGN = 4096
 COPY_THREADS = 2  # the copy pool's (saver.py): a snapshot gives each one job
@@ -253,7 +252,7 @@ def as_bytes(a: np.ndarray) -> np.ndarray:
 def slab_layout(sources: list) -> tuple[list[int], list[int], int]:
     """(bytes, slab offset) of each of `describe_items`'s sources, and the
     slab's size (every source page-aligned in it)."""
-    sizes = [math.prod(box[1]) * np.dtype(src.dtype).itemsize
+    sizes = [box_elements(box) * np.dtype(src.dtype).itemsize
              for _, _, box, _, src, _ in sources]
     offsets, total = [], 0
     for n in sizes:
