@@ -246,6 +246,31 @@ def proc_kb(path: str, field: str) -> int:
     return 0
 
 
+class PeakRss:
+    """This process's peak resident memory above its level at entry, over a
+    `with` block: the kernel's high-water mark (VmHWM) is reset on entry
+    (writing 5 to /proc/self/clear_refs, Linux 4.0+) and read at exit. Pages
+    the block maps count (a RAM-tier restore's mapped files, as in
+    bench/reshard.py's figures); the page cache does not. `extra` is the bytes
+    above the entry level, or None where the kernel refuses the reset."""
+
+    extra: int | None = None
+
+    def __enter__(self) -> PeakRss:
+        self.base = proc_kb("/proc/self/status", "VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset = True
+        except OSError:
+            self.reset = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.reset:
+            self.extra = max(0, proc_kb("/proc/self/status", "VmHWM") - self.base) * 1024
+
+
 def trim() -> None:
     """Garbage-collects and gives glibc's freed heap back (docs/environment.md:
     without it a process grows about 0.7 GB per save+restore of 1 GB)."""

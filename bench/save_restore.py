@@ -17,6 +17,12 @@ tenants hits every system alike:
   blocking time of `save` (and of its first), save + wait_until_finished, restore with a warm and
   a cold page cache.
 
+Peak memory: every save (with its tier writes) and every restore of either
+system is run inside a reset of the process's resident high-water mark
+(_common.PeakRss), and its line carries the worst run's bytes above the level
+before it (`peak_extra_bytes`, the restored state included); the summary
+holds each system's worst save and restore over the state + 256 MiB.
+
 Output (docs/bench_contract.md): one JSON object per line on stdout, one per
 (system, case, size), then a summary line with the ratios; logs go to stderr.
 
@@ -37,6 +43,7 @@ import tempfile
 import time
 
 from _common import (
+    PeakRss,
     abstract_of,
     bench_parser,
     emit,
@@ -69,6 +76,8 @@ GOALS = {  # summary key prefix -> (comparison, goal), from issues #5 and #14
     "save_blocking_vs_limit": ("<=", 1.3),
     "first_save_after_restore_vs_later": ("<=", 2.0),
     "first_save_vs_later": ("<=", 2.0),
+    "peak_save_vs_budget": ("<=", 1.0),  # state + 256 MiB, the restored state included
+    "peak_restore_vs_budget": ("<=", 1.0),
 }
 
 
@@ -306,22 +315,24 @@ class Ours:
         return rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(tiers=[
             rc.RamTier(every=1, keep=keep, path=self.shm), rc.LocalTier(every=1, keep=keep)]))
 
-    def save(self, step: int, state) -> dict[str, float]:
+    def save(self, step: int, state) -> tuple[dict[str, float], int | None]:
+        """Seconds per case, and the peak memory of the save and its writes."""
         import orbax.checkpoint as ocp
         for s in self.mngr.all_steps():  # one step at a time in RAM: the memory is tight
             self.mngr.delete(s)
         trim()
-        t0 = time.perf_counter()
-        started = self.mngr.save(step, args=ocp.args.StandardSave(state))
-        blocking = time.perf_counter() - t0
-        self.mngr.wait_until_finished()
-        total = time.perf_counter() - t0
+        with PeakRss() as peak:
+            t0 = time.perf_counter()
+            started = self.mngr.save(step, args=ocp.args.StandardSave(state))
+            blocking = time.perf_counter() - t0
+            self.mngr.wait_until_finished()
+            total = time.perf_counter() - t0
         assert started, f"step {step} was not saved"
         rec = self.mngr.save_records[-1]
         out = {"save_blocking": blocking, "save_total": total, "save_snapshot": rec.snapshot_s}
         for name, tw in rec.tiers.items():
             out[f"save_tier_{name}"] = tier_seconds(tw, name, step)
-        return out
+        return out, peak.extra
 
     def reader(self, tier: str):
         rc = self.rc
@@ -343,7 +354,9 @@ class Ours:
                 else:
                     read_through(files_under(step_dir))
             trim()
-            t, out = timed(r.restore, step, args=ocp.args.StandardRestore(abstract))
+            with PeakRss() as peak:  # the restored state is alive at its end
+                t, out = timed(r.restore, step, args=ocp.args.StandardRestore(abstract))
+            extra["peak_extra_bytes"] = peak.extra
             extra["served_bytes"] = dict(r.last_restore.bytes_by_tier)
             if check is not None:
                 extra["equal"] = same_values(check, out)
@@ -414,17 +427,18 @@ class Orbax:
         self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=True))
 
-    def save(self, step: int, state) -> dict[str, float]:
+    def save(self, step: int, state) -> tuple[dict[str, float], int | None]:
         for s in self.mngr.all_steps():
             self.mngr.delete(s)
         trim()
-        t0 = time.perf_counter()
-        started = self.mngr.save(step, args=self.ocp.args.StandardSave(state))
-        blocking = time.perf_counter() - t0
-        self.mngr.wait_until_finished()
-        total = time.perf_counter() - t0
+        with PeakRss() as peak:
+            t0 = time.perf_counter()
+            started = self.mngr.save(step, args=self.ocp.args.StandardSave(state))
+            blocking = time.perf_counter() - t0
+            self.mngr.wait_until_finished()
+            total = time.perf_counter() - t0
         assert started, f"orbax did not save step {step}"
-        return {"save_blocking": blocking, "save_total": total}
+        return {"save_blocking": blocking, "save_total": total}, peak.extra
 
     def restore(self, step: int, abstract, cold: bool, check=None) -> tuple[float, dict]:
         step_dir = os.path.join(self.dir, str(step))
@@ -434,7 +448,9 @@ class Orbax:
         else:
             read_through(files_under(step_dir))
         trim()
-        t, out = timed(self.mngr.restore, step, args=self.ocp.args.StandardRestore(abstract))
+        with PeakRss() as peak:
+            t, out = timed(self.mngr.restore, step, args=self.ocp.args.StandardRestore(abstract))
+        extra["peak_extra_bytes"] = peak.extra
         if check is not None:
             extra["equal"] = same_values(check, out)
         del out
@@ -466,7 +482,9 @@ def fit_size(want: int, shm_dir: str) -> tuple[int, str | None]:
     return want, None
 
 
-def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str], float]:
+def run_size(want: int, repeats: int, args, mesh: Mesh
+             ) -> tuple[dict[tuple[str, str], float], list[dict]]:
+    """The medians per (system, case), and the lines printed."""
     label = size_label(want)
     workdir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.workdir)
     shm_dir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.shm)
@@ -495,10 +513,11 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
     read_buf = np.zeros(max(v.nbytes for v in shards), np.uint8)
     try:
         log.info("[%s] first saves (a fresh job's: fresh memory)", label)
-        add("resilient_ckpt", "save_blocking_first", ours.save(0, state)["save_blocking"])
-        ours.drop()
-        add("orbax", "save_blocking_first", orbax.save(0, state)["save_blocking"])
-        orbax.drop()
+        for system, sut in (("resilient_ckpt", ours), ("orbax", orbax)):
+            times, peak = sut.save(0, state)
+            add(system, "save_blocking_first", times["save_blocking"],
+                {"peak_extra_bytes": peak})
+            sut.drop()
         for r in range(repeats):
             step = r + 1
             check = state if (r == 0 and not args.no_verify) else None
@@ -516,8 +535,10 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
             limit.clean()
             log.info("[%s] repeat %d: limit done", label, r)
             # resilient_ckpt
-            for case, t in ours.save(step, state).items():
-                add("resilient_ckpt", case, t)
+            times, peak = ours.save(step, state)
+            for case, t in times.items():
+                add("resilient_ckpt", case, t,
+                    {"peak_extra_bytes": peak} if case == "save_total" else None)
             t, extra = ours.restore("ram", step, abstract, False, check)
             add("resilient_ckpt", "restore_ram", t, extra)
             ours.lose_ram_copy(step)
@@ -532,8 +553,10 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
             add("resilient_ckpt", "save_tier_local_alone", ours.save_local_alone(step, state))
             log.info("[%s] repeat %d: resilient_ckpt done", label, r)
             # orbax
-            for case, t in orbax.save(step, state).items():
-                add("orbax", case, t)
+            times, peak = orbax.save(step, state)
+            for case, t in times.items():
+                add("orbax", case, t,
+                    {"peak_extra_bytes": peak} if case == "save_total" else None)
             t, extra = orbax.restore(step, abstract, False, check)
             add("orbax", "restore_local_warm", t, extra)
             t, extra = orbax.restore(step, abstract, True, check)
@@ -548,7 +571,7 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
 
-    medians = {}
+    medians, lines = {}, []
     for (system, case), v in runs.items():
         med = statistics.median(v)
         medians[(system, case)] = med
@@ -557,14 +580,39 @@ def run_size(want: int, repeats: int, args, mesh: Mesh) -> dict[tuple[str, str],
                 "runs_s": [round(x, 4) for x in v], "median_s": round(med, 4),
                 "gb_per_s": round(actual / med / 1e9, 3) if med > 0 else None}
         for k, vals in extras.get((system, case), {}).items():
+            if k == "peak_extra_bytes":  # the worst run
+                known = [x for x in vals if x is not None]
+                line[k] = max(known) if known else None
+                line["peak_extra_vs_state"] = round(max(known) / actual, 3) if known else None
+                continue
             uniq = [x for i, x in enumerate(vals) if x not in vals[:i]]
             line[k] = uniq[0] if len(uniq) == 1 else vals
         if shrunk:
             line["shrunk"] = shrunk
         emit(line)
+        lines.append(line)
     del state, shards, abstract, leaves
     trim()
-    return medians
+    return medians, lines
+
+
+BUDGET_EXTRA = 256 * 2**20  # a restore's memory beyond the state (issue #14)
+
+
+def memory_ratios(lines: list[dict], label: str) -> dict[str, float | None]:
+    """Each system's worst peak memory of a save (its first, with a fresh
+    snapshot pool, or a later one with its tier writes) and of a restore
+    (any tier, the restored state included), over the state + 256 MiB."""
+    out: dict[str, float | None] = {}
+    for system, name in (("resilient_ckpt", ""), ("orbax", "orbax_")):
+        for kind in ("save", "restore"):
+            peaks = [ln["peak_extra_bytes"] for ln in lines
+                     if ln["system"] == system and ln["case"].startswith(kind)
+                     and ln.get("peak_extra_bytes") is not None]
+            budget = lines[0]["bytes"] + BUDGET_EXTRA if lines else 0
+            out[f"{name}peak_{kind}_vs_budget_{label}"] = (
+                round(max(peaks) / budget, 3) if peaks else None)
+    return out
 
 
 def ratios(m: dict[tuple[str, str], float], label: str) -> dict[str, float]:
@@ -635,15 +683,19 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {}
     if args.summarize:
         by_size: dict[str, dict] = {}
+        lines_by_size: dict[str, list[dict]] = {}
         for ln in read_jsonl(args.summarize):
             if ln.get("bench") == BENCH and "case" in ln:
                 emit(ln)
                 by_size.setdefault(ln["size"], {})[(ln["system"], ln["case"])] = ln["median_s"]
+                lines_by_size.setdefault(ln["size"], []).append(ln)
         for label, medians in by_size.items():
             summary.update(ratios(medians, label))
+            summary.update(memory_ratios(lines_by_size[label], label))
     for n in args.sizes if not args.summarize else []:
-        medians = run_size(n, args.repeats, args, mesh)
+        medians, lines = run_size(n, args.repeats, args, mesh)
         summary.update(ratios(medians, size_label(n)))
+        summary.update(memory_ratios(lines, size_label(n)))
     emit_summary(BENCH, summary, GOALS, plot=args.plot)
     return 0
 
