@@ -271,6 +271,25 @@ class PeakRss:
             self.extra = max(0, proc_kb("/proc/self/status", "VmHWM") - self.base) * 1024
 
 
+BUDGET_EXTRA = 256 * 2**20  # memory a save or restore may use beyond the state (issue #14)
+
+
+def peaks_vs_budget(peaks: dict[tuple[str, str], int], nbytes: int, label: str
+                    ) -> dict[str, float]:
+    """Each system's worst peak memory over its cases named save* and over
+    those named restore*, as a fraction of the state + BUDGET_EXTRA (<= 1
+    keeps the promise): `peak_save_vs_budget_<label>` for resilient_ckpt,
+    `orbax_peak_save_vs_budget_<label>` for Orbax, the same for restore."""
+    out = {}
+    for system, name in (("resilient_ckpt", ""), ("orbax", "orbax_")):
+        for kind in ("save", "restore"):
+            got = [v for (s, c), v in peaks.items() if s == system and c.startswith(kind)]
+            if got:
+                out[f"{name}peak_{kind}_vs_budget_{label}"] = round(
+                    max(got) / (nbytes + BUDGET_EXTRA), 3)
+    return out
+
+
 def trim() -> None:
     """Garbage-collects and gives glibc's freed heap back (docs/environment.md:
     without it a process grows about 0.7 GB per save+restore of 1 GB)."""

@@ -39,12 +39,14 @@ import time
 import uuid
 
 from _common import (
+    PeakRss,
     abstract_of,
     bench_parser,
     emit,
     emit_summary,
     make_mesh,
     parse_options,
+    peaks_vs_budget,
     prepare,
     read_jsonl,
     same_values,
@@ -87,26 +89,31 @@ def build_state(total: int, dtype, mesh: Mesh) -> dict:
     return out
 
 
-def timed_save(manager, state: dict) -> float:
-    """Seconds of `save` + `wait_until_finished` of step 1."""
+def timed_save(manager, state: dict) -> tuple[float, int | None]:
+    """Seconds of `save` + `wait_until_finished` of step 1, and its peak
+    memory above the level before (_common.PeakRss)."""
     import orbax.checkpoint as ocp
-    t0 = time.perf_counter()
-    manager.save(1, args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
-    return time.perf_counter() - t0
-
-
-def timed_restore(open_manager, state: dict, who: str) -> float:
-    """Seconds from opening a fresh manager to step 1 restored onto the
-    state's shardings; the values are then checked against `state`."""
-    import orbax.checkpoint as ocp
-    t0 = time.perf_counter()
-    with open_manager() as m:
-        out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
-        jax.block_until_ready(out)
+    with PeakRss() as peak:
+        t0 = time.perf_counter()
+        manager.save(1, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
         dt = time.perf_counter() - t0
+    return dt, peak.extra
+
+
+def timed_restore(open_manager, state: dict, who: str) -> tuple[float, int | None]:
+    """Seconds from opening a fresh manager to step 1 restored onto the
+    state's shardings, and the peak memory meanwhile (the restored state
+    included); the values are then checked against `state`."""
+    import orbax.checkpoint as ocp
+    with PeakRss() as peak:
+        t0 = time.perf_counter()
+        with open_manager() as m:
+            out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - t0
     assert same_values(out, state), f"{who} restored different values"
-    return dt
+    return dt, peak.extra
 
 
 class Ours:
@@ -121,11 +128,11 @@ class Ours:
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
         tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
         with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
-            dt = timed_save(m, state)
+            dt, peak = timed_save(m, state)
             tw = m.save_records[-1].tiers["gcs"]
-        return dt, tw.stored_bytes, tw.seconds
+        return dt, tw.stored_bytes, tw.seconds, peak
 
-    def restore(self, url: str, state: dict, codec: str) -> float:
+    def restore(self, url: str, state: dict, codec: str) -> tuple[float, int | None]:
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
         opts = CheckpointManagerOptions(tiers=[self.tier(url, codec)], read_only=True)
         return timed_restore(lambda: CheckpointManager(url, options=opts), state,
@@ -133,12 +140,12 @@ class Ours:
 
 
 class Orbax:
-    def save(self, url: str, state: dict) -> float:
+    def save(self, url: str, state: dict) -> tuple[float, int | None]:
         import orbax.checkpoint as ocp
         with ocp.CheckpointManager(url) as m:
             return timed_save(m, state)
 
-    def restore(self, url: str, state: dict) -> float:
+    def restore(self, url: str, state: dict) -> tuple[float, int | None]:
         import orbax.checkpoint as ocp
         return timed_restore(lambda: ocp.CheckpointManager(url), state, "orbax")
 
@@ -173,32 +180,35 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
     state = build_state(size, dtype, mesh)
     nbytes = sum(a.nbytes for a in state.values())
     ours, orbax, runs, stored, lims = Ours(endpoint), Orbax(), {}, {}, []
+    peaks: dict[tuple[str, str], list[int]] = {}
     ram = tempfile.mkdtemp(prefix="bench_gcs_ram_", dir="/dev/shm" if os.path.isdir("/dev/shm")
                            else None)
 
-    def add(system: str, case: str, seconds: float) -> None:
+    def add(system: str, case: str, seconds: float, peak: int | None = None) -> None:
         runs.setdefault((system, case), []).append(seconds)
+        if peak is not None:
+            peaks.setdefault((system, case), []).append(peak)
         log.info("%s %s %s %s: %.2f s (%.0f MB/s)", size_label(size), dtype_name, system, case,
                  seconds, nbytes / seconds / 1e6)
     try:
         for _ in range(repeats):
             run = uuid.uuid4().hex[:8]
             urls = {k: f"gs://{BUCKET}/{run}/{k}" for k in ("zstd", "raw", "ram", "orbax")}
-            dt, stored["zstd"], _ = ours.save(urls["zstd"], state, "zstd")
-            add("resilient_ckpt", "save_gcs_zstd", dt)
-            add("orbax", "save_gcs", orbax.save(urls["orbax"], state))
-            dt, stored["raw"], _ = ours.save(urls["raw"], state, "raw")
-            add("resilient_ckpt", "save_gcs_raw", dt)
-            dt, _, upload = ours.save(urls["ram"], state, "raw", ram=ram)
-            add("resilient_ckpt", "save_gcs_from_ram", dt)
+            dt, stored["zstd"], _, peak = ours.save(urls["zstd"], state, "zstd")
+            add("resilient_ckpt", "save_gcs_zstd", dt, peak)
+            add("orbax", "save_gcs", *orbax.save(urls["orbax"], state))
+            dt, stored["raw"], _, peak = ours.save(urls["raw"], state, "raw")
+            add("resilient_ckpt", "save_gcs_raw", dt, peak)
+            dt, _, upload, peak = ours.save(urls["ram"], state, "raw", ram=ram)
+            add("resilient_ckpt", "save_gcs_from_ram", dt, peak)
             add("resilient_ckpt", "upload_gcs_from_ram", upload)
             shutil.rmtree(ram, ignore_errors=True)
             trim()
-            add("resilient_ckpt", "restore_gcs_zstd", ours.restore(urls["zstd"], state, "zstd"))
+            add("resilient_ckpt", "restore_gcs_zstd", *ours.restore(urls["zstd"], state, "zstd"))
             trim()
-            add("orbax", "restore_gcs", orbax.restore(urls["orbax"], state))
+            add("orbax", "restore_gcs", *orbax.restore(urls["orbax"], state))
             trim()
-            add("resilient_ckpt", "restore_gcs_raw", ours.restore(urls["raw"], state, "raw"))
+            add("resilient_ckpt", "restore_gcs_raw", *ours.restore(urls["raw"], state, "raw"))
             trim()
             for u in urls.values():
                 remove(endpoint, u)
@@ -212,6 +222,9 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
         med = statistics.median(xs)
         extra = {"stored_bytes": stored[case.rsplit("_", 1)[1]]} if case in (
             "save_gcs_zstd", "save_gcs_raw") else {}
+        if (system, case) in peaks:  # the worst run
+            worst = max(peaks[(system, case)])
+            extra.update(peak_extra_bytes=worst, peak_extra_vs_state=round(worst / nbytes, 3))
         emit({**common, "system": system, "case": case, "runs_s": xs, "median_s": med,
               "mb_per_s": round(nbytes / med / 1e6, 1), **extra})
     emit({**common, "system": "limit", "case": "zstd_level1_one_thread",
@@ -233,6 +246,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
         f"upload_gcs_from_ram_speedup_vs_orbax_save_{key}": o_save / med[
             ("resilient_ckpt", "upload_gcs_from_ram")],
         f"zstd_stored_fraction_{key}": stored["zstd"] / nbytes,
+        **peaks_vs_budget({k: max(v) for k, v in peaks.items()}, nbytes, key),
     }
 
 

@@ -50,6 +50,7 @@ from _common import (
     emit_summary,
     make_mesh,
     parse_options,
+    peaks_vs_budget,
     prepare,
     proc_kb,
     read_jsonl,
@@ -596,23 +597,13 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
     return medians, lines
 
 
-BUDGET_EXTRA = 256 * 2**20  # a restore's memory beyond the state (issue #14)
-
-
-def memory_ratios(lines: list[dict], label: str) -> dict[str, float | None]:
+def memory_ratios(lines: list[dict], label: str) -> dict[str, float]:
     """Each system's worst peak memory of a save (its first, with a fresh
     snapshot pool, or a later one with its tier writes) and of a restore
     (any tier, the restored state included), over the state + 256 MiB."""
-    out: dict[str, float | None] = {}
-    for system, name in (("resilient_ckpt", ""), ("orbax", "orbax_")):
-        for kind in ("save", "restore"):
-            peaks = [ln["peak_extra_bytes"] for ln in lines
-                     if ln["system"] == system and ln["case"].startswith(kind)
-                     and ln.get("peak_extra_bytes") is not None]
-            budget = lines[0]["bytes"] + BUDGET_EXTRA if lines else 0
-            out[f"{name}peak_{kind}_vs_budget_{label}"] = (
-                round(max(peaks) / budget, 3) if peaks else None)
-    return out
+    peaks = {(ln["system"], ln["case"]): ln["peak_extra_bytes"] for ln in lines
+             if ln.get("peak_extra_bytes") is not None}
+    return peaks_vs_budget(peaks, lines[0]["bytes"], label) if lines else {}
 
 
 def ratios(m: dict[tuple[str, str], float], label: str) -> dict[str, float]:
