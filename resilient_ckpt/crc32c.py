@@ -8,12 +8,21 @@ wheel; called through ctypes, which drops the GIL for the call, checksums on
 several threads run side by side. Small buffers and installs without that
 library use google_crc32c itself (same values; a buffer that is not
 contiguous is refused by it, as before).
+
+`bad_block` checks a run of consecutive checksum blocks in one pass: their
+CRC32Cs, combined (the CRC of A + B follows from those of A and B and the
+length of B), must equal the CRC of the whole run. One call over 40 blocks
+of 256 KiB instead of 40 keeps the readers' threads from trading the GIL 40
+times (a stitched resharded restore checked block by block spent 1.5x the
+thread time of whole chunks here). A mismatch is then found block by block.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import google_crc32c
@@ -56,3 +65,74 @@ def value(data: Any) -> int:
 def releases_gil() -> bool:
     """Whether large checksums run without the GIL here."""
     return _extend is not None
+
+
+# ---------------------------------------------------------------- combining
+
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), bits reflected: x^0 is bit 31
+
+
+def _mult(a: int, b: int) -> int:
+    """a * b modulo the polynomial (both in reflected bit order)."""
+    p = 0
+    while a:
+        if a & 0x80000000:
+            p ^= b
+        a = (a << 1) & 0xFFFFFFFF
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_mult(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=32)
+def _shifter(nbytes: int) -> tuple[list[int], ...]:
+    """Byte tables of crc -> crc * x^(8 nbytes): what appending `nbytes`
+    bytes does to a CRC (linear, so four lookups per CRC)."""
+    s, k, n = 1 << 31, 3, nbytes
+    while n:
+        if n & 1:
+            s = _mult(_X2N[k & 31], s)
+        n >>= 1
+        k += 1
+    tables = []
+    for j in range(4):
+        t = [0] * 256
+        for i in range(8):
+            t[1 << i] = _mult(s, 1 << (8 * j + i))
+        for v in range(3, 256):
+            if v & (v - 1):
+                t[v] = t[v & (v - 1)] ^ t[v & -v]
+        tables.append(t)
+    return tuple(tables)
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of A + B, from crc1 of A, crc2 of B and B's length."""
+    t = _shifter(len2)
+    return (t[0][crc1 & 255] ^ t[1][(crc1 >> 8) & 255] ^ t[2][(crc1 >> 16) & 255]
+            ^ t[3][crc1 >> 24] ^ crc2)
+
+
+def bad_block(data: Any, block_bytes: int, want: Sequence[int]) -> int | None:
+    """None if `data`, cut into blocks of `block_bytes` (the last may be
+    shorter), has the block CRC32Cs `want`; else the index of the first block
+    that does not. Raises ValueError when `want` has not one CRC per block."""
+    a = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    n, blocks = a.nbytes, len(want)
+    if blocks != -(-n // block_bytes) or (n == 0) != (blocks == 0):
+        raise ValueError(f"{n} bytes are {-(-n // block_bytes)} blocks of {block_bytes}, "
+                         f"not {blocks}")
+    if not blocks:
+        return None
+    expected = want[0]
+    for i in range(1, blocks):
+        expected = combine(expected, want[i], min(block_bytes, n - i * block_bytes))
+    if value(a) == expected:
+        return None
+    flat = a.reshape(-1).view(np.uint8)
+    return next((i for i in range(blocks)
+                 if value(flat[i * block_bytes:(i + 1) * block_bytes]) != want[i]), 0)

@@ -15,7 +15,7 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -158,10 +158,10 @@ class ChunkReader:
                 seg = flat[(r_lo - a) * row:(r_hi - a) * row]
                 st.read_into(key, seg.data, offset=r_lo * row)
                 nread += len(seg)
-                for i, blk in enumerate(inner):
-                    if crc32c.value(seg[i * bb:(i + 1) * bb]) != c.block_crc32c[blk]:
-                        raise CorruptCheckpointError(
-                            f"crc32c mismatch in block {blk} of {st.url}/{key}")
+                bad = crc32c.bad_block(seg, bb, c.block_crc32c[inner.start:inner.stop])
+                if bad is not None:
+                    raise CorruptCheckpointError(
+                        f"crc32c mismatch in block {inner.start + bad} of {st.url}/{key}")
             for blk in ends:
                 start, stop = blk * bb, min((blk + 1) * bb, c.nbytes)
                 stage = np.empty(stop - start, np.uint8)
@@ -196,11 +196,10 @@ class ChunkReader:
                         seg = self._stage(stop - start)
                         st.read_into(key, seg.data, offset=start)
                     nread += stop - start
-                    for i, b in enumerate(range(lo, hi)):
-                        blk = seg[i * c.block_bytes:(i + 1) * c.block_bytes]
-                        if crc32c.value(blk) != c.block_crc32c[b]:
-                            raise CorruptCheckpointError(
-                                f"crc32c mismatch in block {b} of {st.url}/{key}")
+                    bad = crc32c.bad_block(seg, c.block_bytes, c.block_crc32c[lo:hi])
+                    if bad is not None:
+                        raise CorruptCheckpointError(
+                            f"crc32c mismatch in block {lo + bad} of {st.url}/{key}")
                     r0 = lo * rpb
                     rows = seg.view(dtype).reshape(((stop - start) // row_bytes,) + c.sizes[1:])
                     _copy_rows(parts, rows, r0)
@@ -252,29 +251,19 @@ class ChunkReader:
         a block reaching past the rows placed through the chunk's mapping."""
         st = self.storages[tier]
         key = f"{self.dir}/{c.key}"
-        if lo == 0 and length == c.nbytes:
-            checks = [(arr[at:at + length], c.crc32c, "")]
-        else:
-            view, checks = None, []
-            for b0, b1 in blocks_for_rows(c, [(rows.start, rows.stop)]):
-                for b in range(b0, b1):
-                    start, stop = b * c.block_bytes, min((b + 1) * c.block_bytes, c.nbytes)
-                    if lo <= start and stop <= lo + length:
-                        blk = arr[at + start - lo:at + stop - lo]
-                    else:
-                        view = st.map(key, c.nbytes) if view is None else view
-                        # None only if the object is now shorter than the manifest
-                        # says (it was long enough for place()).
-                        assert view is not None
-                        blk = view[start:stop]
-                    checks.append((blk, c.block_crc32c[b], f"block {b} of "))
-        for data, want, what in checks:
-            if crc32c.value(data) != want:
+        placed = arr[at:at + length]
+        runs = [(placed, None, [c.crc32c])] if lo == 0 and length == c.nbytes else \
+            _placed_runs(c, rows, lo, placed, lambda: st.map(key, c.nbytes))
+        for data, first, want in runs:
+            bad = (None if crc32c.value(data) == want[0] else 0) if first is None \
+                else crc32c.bad_block(data, c.block_bytes, want)
+            if bad is not None:
+                what = "" if first is None else f"block {first + bad} of "
                 self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} from the "
                              f"{tier} tier failed (crc32c mismatch in {what}{st.url}/{key}); "
                              "trying the next copy")
                 return False
-        self._served(tier, c.key, sum(len(d) for d, _, _ in checks))
+        self._served(tier, c.key, sum(len(d) for d, _, _ in runs))
         return True
 
 
@@ -288,6 +277,31 @@ class ChunkReader:
             self.record.bytes_by_tier[tier] += nread
             self.record.chunks_by_tier[tier] += 1
             self.record.served[key] = tier
+
+
+def _placed_runs(c: ChunkRecord, rows: slice, lo: int, placed: np.ndarray,
+                 mapping: Callable[[], np.ndarray | None]
+                 ) -> list[tuple[np.ndarray, int | None, Sequence[int]]]:
+    """The checks of chunk `c`'s bytes [lo, lo + len(placed)), placed in
+    `placed`, for its rows `rows`: (bytes, first block, block CRCs). The
+    blocks wholly placed are one run each span, checked where they lie; a
+    block reaching past them is read through `mapping()`, the chunk's own."""
+    bb, view, hi = c.block_bytes, None, lo + len(placed)
+    runs: list[tuple[np.ndarray, int | None, Sequence[int]]] = []
+    for b0, b1 in blocks_for_rows(c, [(rows.start, rows.stop)]):
+        inside = [b for b in range(b0, b1) if lo <= b * bb and min((b + 1) * bb, c.nbytes) <= hi]
+        if inside:  # consecutive: one pass for the run (crc32c.bad_block)
+            start, stop = inside[0] * bb, min((inside[-1] + 1) * bb, c.nbytes)
+            runs.append((placed[start - lo:stop - lo], inside[0],
+                         c.block_crc32c[inside[0]:inside[-1] + 1]))
+        for b in range(b0, b1):
+            if not (inside and inside[0] <= b <= inside[-1]):
+                view = mapping() if view is None else view
+                # None only if the object is now shorter than the manifest says
+                # (it was long enough to be placed).
+                assert view is not None
+                runs.append((view[b * bb:min((b + 1) * bb, c.nbytes)], b, [c.block_crc32c[b]]))
+    return runs
 
 
 def _rows_in_place(c: ChunkRecord, src: tuple, dst: np.ndarray) -> bool:
