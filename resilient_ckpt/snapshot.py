@@ -178,11 +178,12 @@ def checksums(data: np.ndarray, sizes: tuple[int, ...], itemsize: int
     """(block_bytes, block crc32cs, whole crc32c) of a chunk's raw bytes
     (`data`, uint8), in blocks of whole rows (format.md, section 4)."""
     bb = block_bytes_for(sizes, itemsize)
-    whole, blocks = 0, []
-    for start in range(0, int(data.nbytes), bb):
+    whole, blocks = 0, list[int]()
+    for start in range(0, int(data.nbytes), bb):  # one pass: the whole from the blocks
         block = data[start:start + bb]
-        blocks.append(crc32c.value(block))
-        whole = crc32c.extend(whole, block)
+        crc = crc32c.value(block)
+        whole = crc32c.combine(whole, crc, len(block)) if blocks else crc
+        blocks.append(crc)
     return (bb if blocks else 0), tuple(blocks), whole
 
 
