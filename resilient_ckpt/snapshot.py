@@ -178,7 +178,8 @@ def checksums(data: np.ndarray, sizes: tuple[int, ...], itemsize: int
     """(block_bytes, block crc32cs, whole crc32c) of a chunk's raw bytes
     (`data`, uint8), in blocks of whole rows (format.md, section 4)."""
     bb = block_bytes_for(sizes, itemsize)
-    whole, blocks = 0, list[int]()
+    whole = 0
+    blocks: list[int] = []
     for start in range(0, int(data.nbytes), bb):  # one pass: the whole from the blocks
         block = data[start:start + bb]
         crc = crc32c.value(block)
