@@ -515,6 +515,13 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
     try:
         log.info("[%s] first saves (a fresh job's: fresh memory)", label)
         for system, sut in (("resilient_ckpt", ours), ("orbax", orbax)):
+            # Both from memory the VM has taken back, as a fresh job's is: the
+            # balloon reports pages free for 2 s to the host (environment.md),
+            # and without the wait the second system's first save reused the
+            # pages the first one's clean-up had just freed (4 GB: Orbax 1.8 s
+            # against our 8.3 s, ours first).
+            trim()
+            time.sleep(3.0)
             times, peak = sut.save(0, state)
             add(system, "save_blocking_first", times["save_blocking"],
                 {"peak_extra_bytes": peak})
