@@ -88,17 +88,24 @@ for _ in range(31):
     _X2N.append(_mult(_X2N[-1], _X2N[-1]))
 
 
-@functools.lru_cache(maxsize=32)
-def _shifter(nbytes: int) -> tuple[list[int], ...]:
-    """Byte tables of crc -> crc * x^(8 nbytes): what appending `nbytes`
-    bytes does to a CRC (linear, so four lookups per CRC)."""
+@functools.lru_cache(maxsize=1024)
+def _x8n(nbytes: int) -> int:
+    """x^(8 nbytes) modulo the polynomial: what appending `nbytes` bytes
+    multiplies a CRC by."""
     s, k, n = 1 << 31, 3, nbytes
     while n:
         if n & 1:
             s = _mult(_X2N[k & 31], s)
         n >>= 1
         k += 1
-    tables = []
+    return s
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(nbytes: int) -> tuple[list[int], ...]:
+    """Byte tables of crc -> crc * x^(8 nbytes) (linear in crc: four lookups
+    instead of a multiplication), for the blocks of one size."""
+    s, tables = _x8n(nbytes), []
     for j in range(4):
         t = [0] * 256
         for i in range(8):
@@ -112,9 +119,24 @@ def _shifter(nbytes: int) -> tuple[list[int], ...]:
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC32C of A + B, from crc1 of A, crc2 of B and B's length."""
-    t = _shifter(len2)
-    return (t[0][crc1 & 255] ^ t[1][(crc1 >> 8) & 255] ^ t[2][(crc1 >> 16) & 255]
-            ^ t[3][crc1 >> 24] ^ crc2)
+    return _mult(_x8n(len2), crc1) ^ crc2
+
+
+def combined(crcs: Sequence[int], block_bytes: int, nbytes: int) -> int:
+    """The CRC32C of `nbytes` bytes whose blocks of `block_bytes` (the last
+    may be shorter) have the CRC32Cs `crcs`."""
+    if not crcs:
+        return 0
+    t = _tables(block_bytes) if len(crcs) > 2 else None
+    out = crcs[0]
+    for i in range(1, len(crcs)):
+        n = min(block_bytes, nbytes - i * block_bytes)
+        if t is not None and n == block_bytes:
+            out = (t[0][out & 255] ^ t[1][(out >> 8) & 255] ^ t[2][(out >> 16) & 255]
+                   ^ t[3][out >> 24] ^ crcs[i])
+        else:
+            out = combine(out, crcs[i], n)
+    return out
 
 
 def bad_block(data: Any, block_bytes: int, want: Sequence[int]) -> int | None:
@@ -126,12 +148,7 @@ def bad_block(data: Any, block_bytes: int, want: Sequence[int]) -> int | None:
     if blocks != -(-n // block_bytes) or (n == 0) != (blocks == 0):
         raise ValueError(f"{n} bytes are {-(-n // block_bytes)} blocks of {block_bytes}, "
                          f"not {blocks}")
-    if not blocks:
-        return None
-    expected = want[0]
-    for i in range(1, blocks):
-        expected = combine(expected, want[i], min(block_bytes, n - i * block_bytes))
-    if value(a) == expected:
+    if not blocks or value(a) == combined(want, block_bytes, n):
         return None
     flat = a.reshape(-1).view(np.uint8)
     return next((i for i in range(blocks)

@@ -178,14 +178,10 @@ def checksums(data: np.ndarray, sizes: tuple[int, ...], itemsize: int
     """(block_bytes, block crc32cs, whole crc32c) of a chunk's raw bytes
     (`data`, uint8), in blocks of whole rows (format.md, section 4)."""
     bb = block_bytes_for(sizes, itemsize)
-    whole = 0
-    blocks: list[int] = []
-    for start in range(0, int(data.nbytes), bb):  # one pass: the whole from the blocks
-        block = data[start:start + bb]
-        crc = crc32c.value(block)
-        whole = crc32c.combine(whole, crc, len(block)) if blocks else crc
-        blocks.append(crc)
-    return (bb if blocks else 0), tuple(blocks), whole
+    n = int(data.nbytes)
+    blocks = [crc32c.value(data[start:start + bb]) for start in range(0, n, bb)]
+    # one pass over the bytes: the whole CRC from the blocks'
+    return (bb if blocks else 0), tuple(blocks), crc32c.combined(blocks, bb, n)
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -33,6 +33,14 @@ def test_combine_is_the_crc_of_the_concatenation(a, b, seed):
                           len(b)) == google_crc32c.extend(seed & 0xFFFFFFFF, a + b)
 
 
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 40_000), block=st.integers(1, 5000))
+def test_combined_block_crcs_are_the_crc_of_the_whole(n, block):
+    buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    crcs = [google_crc32c.value(bytes(buf[i:i + block])) for i in range(0, n, block)]
+    assert crc32c.combined(crcs, block, n) == google_crc32c.value(bytes(buf))
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 40_000), block=st.integers(1, 5000), flip=st.integers(0, 2**31),
        data=st.data())
