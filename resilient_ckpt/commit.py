@@ -322,8 +322,10 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     """Removes leftovers of dead writers on this host; returns what it removed.
 
     Only what is recognisably ours is touched: temporaries and markers of dead
-    writers, and the chunks and claims of an uncommitted step (no manifest)
-    that no live writer is working on (a claim names its writer). A directory
+    writers (in step directories; at the root, temporaries of the tiers record
+    or the root metadata), and the chunks and claims of an uncommitted step
+    (no manifest) that no live writer is working on (a claim names its
+    writer). A directory
     holding anything else (an Orbax step, a user's file) keeps those entries.
     Entries are deleted one by one from the listing, so a save that starts in
     the directory meanwhile keeps its files.
@@ -333,6 +335,15 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     removed = []
     for name in storage.list(""):
         if naming.parse(name) is None:
+            # At the root only a temporary of a dead writer is ours to remove
+            # (of the tiers record or the root metadata, its write killed).
+            w = layout.parse_tmp_name(name)
+            if w is not None and w.alive() is False:
+                try:
+                    storage.delete(name)
+                    removed.append(name)
+                except OSError as e:
+                    _skipped(storage, name, e)
             continue
         try:
             names = storage.list(name)

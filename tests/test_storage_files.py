@@ -57,6 +57,28 @@ def test_cleanup_removes_dead_leftovers_and_spares_live_and_committed(tmp_path):
     assert "1" in removed and "4" in removed
 
 
+
+def test_cleanup_removes_a_dead_writers_temporary_at_the_root(tmp_path):
+    """A kill while the tiers record (or the root metadata) was written leaves
+    its temporary at the tier's root, beside the step directories: removed
+    when its writer is dead, kept when it is alive or not ours. (It stayed
+    forever before: cleanup looked only into step directories.)"""
+    s = FileStorage(str(tmp_path), "local")
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    me = layout.Writer.me()
+    dead = layout.Writer(me.host, p.pid, me.start)
+    dead_tmp, live_tmp = dead.tmp_name(".rc-tiers.json"), me.tmp_name(".rc-tiers.json")
+    other = layout.Writer("otherhost", 1, 1).tmp_name("_CHECKPOINT_METADATA")
+    for name in (dead_tmp, live_tmp, other, ".rc-tiers.json", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    s.put("3/0123abcd.c0.0.0", b"x")
+    assert s.put_if_absent("3/manifest.0-of-1.json", b"{}")
+    removed = commit.cleanup(s, layout.StepNaming())
+    assert removed == [dead_tmp]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["3", live_tmp, other, ".rc-tiers.json", "notes.txt"])
+
 def test_delete_step_removes_manifest_first(tmp_path, monkeypatch):
     s = FileStorage(str(tmp_path), "local")
     s.put("7/abc.c0.0.0", b"x")
