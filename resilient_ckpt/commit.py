@@ -325,8 +325,8 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     writers (in step directories; at the root, temporaries of the tiers record
     or the root metadata), and the chunks and claims of an uncommitted step
     (no manifest) that no live writer is working on (a claim names its
-    writer). A directory
-    holding anything else (an Orbax step, a user's file) keeps those entries.
+    writer). A directory holding anything else (an Orbax step, a user's file)
+    keeps those entries.
     Entries are deleted one by one from the listing, so a save that starts in
     the directory meanwhile keeps its files.
     An entry the storage refuses (a link, a directory where a chunk should be)
