@@ -32,13 +32,13 @@ import tempfile
 import time
 
 from _common import (
+    PeakRss,
     bench_parser,
     emit,
     emit_summary,
     make_mesh,
     parse_options,
     prepare,
-    proc_kb,
     size_label,
 )
 
@@ -82,30 +82,24 @@ def nbytes(state) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
 
 
-def rss_kb(field: str) -> int:
-    return proc_kb("/proc/self/status", field)
-
-
-def measured(fn):
-    """(seconds, peak bytes above the resident set before), the result dropped."""
+def measured(fn) -> float:
+    """Seconds of fn() until its result is ready, the result dropped."""
     gc.collect()
-    base = rss_kb("VmRSS")
     t0 = time.perf_counter()
     out = fn()
     jax.block_until_ready(out)
     dt = time.perf_counter() - t0
-    peak = (rss_kb("VmHWM") - base) * 1024
     del out
     gc.collect()
-    return dt, peak
+    return dt
 
 
 def peak_in_fresh_process(system: str, tier: str, target: str, ours_dir: str, ram: str,
-                          orbax_dir: str) -> int:
+                          orbax_dir: str) -> int | None:
     cmd = [sys.executable, __file__, "--peak", f"{system},{tier},{target}",
            "--dirs", f"{ours_dir},{ram},{orbax_dir}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return int(json.loads(out.strip().splitlines()[-1])["peak_extra_bytes"])
+    return json.loads(out.strip().splitlines()[-1])["peak_extra_bytes"]  # None: not measurable
 
 
 def peak_child(case: str, dirs: str) -> int:
@@ -124,10 +118,10 @@ def peak_child(case: str, dirs: str) -> int:
             tiers=tiers, cleanup_tmp_directories=False, read_only=True))
     for _ in range(2):
         gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-    _, peak = measured(lambda: mgr.restore(1, args=ocp.args.StandardRestore(abstract)))
-    emit({"peak_extra_bytes": peak})
+    with PeakRss() as peak:  # the restored state is alive at its end
+        out = mgr.restore(1, args=ocp.args.StandardRestore(abstract))
+        jax.block_until_ready(out)
+    emit({"peak_extra_bytes": peak.extra})
     return 0
 
 
@@ -168,7 +162,7 @@ def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
         runs = {(s, c): ([], []) for s, c, _ in cases}
         for _ in range(repeats):
             for s, c, fn in cases:
-                dt, _ = measured(fn)
+                dt = measured(fn)
                 runs[(s, c)][0].append(dt)
                 log.info("%s %s %s: %.3f s", label, s, c, dt)
         ram_only.close()
@@ -177,15 +171,16 @@ def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
         for s, c, _ in cases:
             tier, tname = c.split("_")
             peak = peak_in_fresh_process(s, tier, tname, ours_dir, ram, orbax_dir)
-            runs[(s, c)][1].append(peak)
-            log.info("%s %s %s: peak +%.0f MB in a fresh process", label, s, c, peak / 1e6)
+            if peak is not None:
+                runs[(s, c)][1].append(peak)
+                log.info("%s %s %s: peak +%.0f MB in a fresh process", label, s, c, peak / 1e6)
         med = {}
         for (s, c), (ts, peaks) in runs.items():
             med[(s, c)] = statistics.median(ts)
             emit({"bench": BENCH, "system": s, "case": c, "bytes": size, "devices": 8,
                   "runs_s": [round(t, 4) for t in ts], "median_s": round(med[(s, c)], 4),
-                  "peak_extra_bytes": max(peaks),
-                  "peak_extra_vs_state": round(max(peaks) / size, 3)})
+                  "peak_extra_bytes": max(peaks, default=None),
+                  "peak_extra_vs_state": round(max(peaks) / size, 3) if peaks else None})
         summary = {}
         for name in meshes:
             for tier in ("ram", "local"):

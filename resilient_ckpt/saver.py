@@ -80,7 +80,8 @@ class Saver:
         replicas = any(_keeps_replicas(t) for t in tiers)
         peers = self._catalog.peers  # after a loss, the survivors' labels (agree.py)
         records, sources = snapshot.describe_items(items, save_id, peers.rank, replicas)
-        need = sum(snapshot.slab_layout(sources)[0])  # jax's .nbytes: 20 us a shard
+        layout = snapshot.slab_layout(sources)  # jax's .nbytes: 20 us a shard; once a save
+        need = sum(layout[0])
         self._flying.reserve(need, rec, [t.name for t in tiers if t.storage.remote])
         try:
             t1 = time.perf_counter()
@@ -89,7 +90,7 @@ class Saver:
                                       self._flying.pool, self._copy)
             else:
                 snap = snapshot.take(step, save_id, records, sources, self._flying.pool,
-                                     self._copy)
+                                     self._copy, layout)
             rec.snapshot_s = time.perf_counter() - t1
         except BaseException:
             self._flying.unreserve(need)

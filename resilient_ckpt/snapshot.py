@@ -260,9 +260,11 @@ def slab_layout(sources: list) -> tuple[list[int], list[int], int]:
 
 
 def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: HostPool,
-         executor: cf.Executor | None) -> Snapshot:
-    """Copies every source into one pooled slab; returns when the copy is done."""
-    sizes, offsets, total = slab_layout(sources)
+         executor: cf.Executor | None,
+         layout: tuple[list[int], list[int], int] | None = None) -> Snapshot:
+    """Copies every source into one pooled slab (at `layout`, slab_layout's of
+    `sources` if given); returns when the copy is done."""
+    sizes, offsets, total = layout or slab_layout(sources)
     for *_, src, _ in sources:  # start every device-to-host transfer before waiting
         if isinstance(src, jax.Array):
             src.copy_to_host_async()
