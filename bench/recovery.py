@@ -49,6 +49,11 @@ Then one goodput run: --goodput-steps steps with devices 4-7 failing every
 on steps that are kept / wall time (a kept step counts for the median step time
 of its mesh when its own time includes a compile or a wait).
 
+Each single-process case's line also has its peak resident memory
+(`peak_extra_bytes`, the worst run): in the loop, from the failure to the first
+step after the restore, above the level just before the failure (which holds
+the reserve where there is one); in a relaunch, over its restore and first step.
+
 Output (docs/bench_contract.md): JSON lines on stdout, the summary last; logs on stderr.
 
     python bench/recovery.py                  # 1 GB state, 3 repeats; goodput 1000 steps at 256 MB
@@ -72,6 +77,7 @@ import tempfile
 import time
 
 from _common import (
+    PeakRss,
     bench_parser,
     emit,
     emit_summary,
@@ -170,14 +176,16 @@ def child(a) -> int:
     step, abstract, _ = build(small, a.nbytes)
     t_mesh = time.perf_counter()
     mngr = ocp.CheckpointManager(a.orbax_dir)
-    state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
-    jax.block_until_ready(state)
-    t_restore = time.perf_counter()
-    state, loss = step(state)
-    float(loss)
-    t_step = time.perf_counter()
+    with PeakRss() as peak:  # the restore and the first step
+        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+        jax.block_until_ready(state)
+        t_restore = time.perf_counter()
+        state, loss = step(state)
+        float(loss)
+        t_step = time.perf_counter()
     emit({"import_s": t_import - t0, "mesh_s": t_mesh - t_import,
-          "restore_s": t_restore - t_mesh, "first_step_s": t_step - t_restore})
+          "restore_s": t_restore - t_mesh, "first_step_s": t_step - t_restore,
+          "peak_extra_bytes": peak.extra})
     mngr.close()
     return 0
 
@@ -193,8 +201,10 @@ def relaunch(a, nbytes: int, orbax_dir: str, cache: str | None) -> dict:
     if proc.returncode or not line:
         raise RuntimeError(f"the relaunched process failed ({proc.returncode}): {cmd}")
     phases = json.loads(line)
+    peak = phases.pop("peak_extra_bytes")
     # The interpreter's own start, before the child's first line ran.
-    return {"total_s": total, "spawn_s": total - sum(phases.values()), **phases}
+    return {"total_s": total, "spawn_s": total - sum(phases.values()), **phases,
+            "peak_extra_bytes": peak}
 
 
 # ---------------------------------------------------------------- the loop
@@ -257,19 +267,24 @@ def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False,
                     jax.block_until_ready(state)
                     mngr.wait_until_finished()
                     settle.append(time.perf_counter() - t0)
+                    window.append(PeakRss().__enter__())  # until the first step after
                 t0 = time.perf_counter()
                 state, loss = step_fn(step, state)
-                if mesh.size < full.size and step > start + 1:  # an ordinary step, timed
+                if mesh.size < full.size and step == start + 1:
+                    jax.block_until_ready(state)
+                    window[0].__exit__(None, None, None)
+                elif mesh.size < full.size:  # an ordinary step, timed
                     jax.block_until_ready(state)
                     after.append(time.perf_counter() - t0)
                 el.save(step, state)
 
         after: list[float] = []
         settle: list[float] = []
+        window: list[PeakRss] = []  # resident memory from the failure to the first step
         train()
         mngr.wait_until_finished()
         return {**el.timeline[0].to_dict(), "ordinary_step_s": median(after),
-                "settled_before_fault_s": settle[0]}
+                "settled_before_fault_s": settle[0], "peak_extra_bytes": window[0].extra}
 
 
 def orbax_checkpoint(a, nbytes: int) -> str:
@@ -320,6 +335,10 @@ def measure_size(a, nbytes: int, check) -> dict:
         line = {"bench": BENCH, "system": system, "case": case, "size": size_label(nbytes),
                 "bytes": nbytes, "devices": "8->4", "runs_s": totals,
                 "median_s": median(totals), "phases_median_s": phases}
+        known = [o["peak_extra_bytes"] for o in outs if o.get("peak_extra_bytes") is not None]
+        if known:  # the worst run's, from the failure (a relaunch: its restore) to a step
+            line.update(peak_extra_bytes=max(known),
+                        peak_extra_vs_state=round(max(known) / nbytes, 3))
         if system == "resilient_ckpt":
             line.update({f"{k[:-2]}_median_s": median([o[k] for o in outs]) for k in extra})
             line["steps_lost"] = [o["steps_lost"] for o in outs]
