@@ -332,18 +332,14 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
     An entry the storage refuses (a link, a directory where a chunk should be)
     is logged and skipped: it never stops the cleanup of the rest.
     """
-    removed = []
+    removed: list[str] = []
     for name in storage.list(""):
         if naming.parse(name) is None:
             # At the root only a temporary of a dead writer is ours to remove
             # (of the tiers record or the root metadata, its write killed).
             w = layout.parse_tmp_name(name)
             if w is not None and w.alive() is False:
-                try:
-                    storage.delete(name)
-                    removed.append(name)
-                except OSError as e:
-                    _skipped(storage, name, e)
+                _removed(storage, name, removed)
             continue
         try:
             names = storage.list(name)
@@ -357,15 +353,8 @@ def cleanup(storage: Storage, naming: layout.StepNaming) -> list[str]:
                 dead_own = w is not None and w.alive() is False
                 orphan = not committed and not live and (layout.is_chunk_name(n)
                                                          or layout.is_claim_name(n))
-                if not (dead_own or orphan):
-                    continue
-                try:
-                    storage.delete(f"{name}/{n}")
-                except OSError as e:
-                    _skipped(storage, f"{name}/{n}", e)
-                    continue
-                removed.append(f"{name}/{n}")
-                here += 1
+                if (dead_own or orphan) and _removed(storage, f"{name}/{n}", removed):
+                    here += 1
             if here and not committed and not live and storage.remove_empty_dir(name):
                 removed.append(name)
         except OSError as e:
@@ -380,6 +369,18 @@ def _claim_writer(storage: Storage, d: str, n: str) -> layout.Writer | None:
         return None
     held = read_claim(storage, f"{d}/{n}")
     return held[1] if held else None
+
+
+def _removed(storage: Storage, key: str, removed: list[str]) -> bool:
+    """Deletes `key` and adds it to `removed`; whether it could (a refusal is
+    logged by _skipped and the entry left in place)."""
+    try:
+        storage.delete(key)
+    except OSError as e:
+        _skipped(storage, key, e)
+        return False
+    removed.append(key)
+    return True
 
 
 def _skipped(storage: Storage, what: str, e: OSError) -> None:

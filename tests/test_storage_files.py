@@ -57,7 +57,6 @@ def test_cleanup_removes_dead_leftovers_and_spares_live_and_committed(tmp_path):
     assert "1" in removed and "4" in removed
 
 
-
 def test_cleanup_removes_a_dead_writers_temporary_at_the_root(tmp_path):
     """A kill while the tiers record (or the root metadata) was written leaves
     its temporary at the tier's root, beside the step directories: removed
@@ -78,6 +77,7 @@ def test_cleanup_removes_a_dead_writers_temporary_at_the_root(tmp_path):
     assert removed == [dead_tmp]
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["3", live_tmp, other, ".rc-tiers.json", "notes.txt"])
+
 
 def test_delete_step_removes_manifest_first(tmp_path, monkeypatch):
     s = FileStorage(str(tmp_path), "local")
