@@ -271,6 +271,16 @@ class PeakRss:
             self.extra = max(0, proc_kb("/proc/self/status", "VmHWM") - self.base) * 1024
 
 
+def worst_peak(peaks: list, nbytes: int) -> dict:
+    """A line's peak fields from its runs' PeakRss.extra values: the worst
+    run's bytes and their fraction of the state's `nbytes`, both None where
+    no run could be measured (docs/bench_contract.md)."""
+    known = [p for p in peaks if p is not None]
+    worst = max(known) if known else None
+    return {"peak_extra_bytes": worst,
+            "peak_extra_vs_state": round(worst / nbytes, 3) if known else None}
+
+
 BUDGET_EXTRA = 256 * 2**20  # memory a save or restore may use beyond the state (issue #14)
 
 

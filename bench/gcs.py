@@ -52,6 +52,7 @@ from _common import (
     same_values,
     size_label,
     trim,
+    worst_peak,
 )
 
 prepare(devices=8)
@@ -223,8 +224,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
         extra = {"stored_bytes": stored[case.rsplit("_", 1)[1]]} if case in (
             "save_gcs_zstd", "save_gcs_raw") else {}
         if (system, case) in peaks:  # the worst run
-            worst = max(peaks[(system, case)])
-            extra.update(peak_extra_bytes=worst, peak_extra_vs_state=round(worst / nbytes, 3))
+            extra.update(worst_peak(peaks[(system, case)], nbytes))
         emit({**common, "system": system, "case": case, "runs_s": xs, "median_s": med,
               "mb_per_s": round(nbytes / med / 1e6, 1), **extra})
     emit({**common, "system": "limit", "case": "zstd_level1_one_thread",

@@ -86,6 +86,7 @@ from _common import (
     prepare,
     size_label,
     size_option,
+    worst_peak,
 )
 
 prepare(devices=8)  # jax itself is imported where used: the relaunched child times it
@@ -335,10 +336,9 @@ def measure_size(a, nbytes: int, check) -> dict:
         line = {"bench": BENCH, "system": system, "case": case, "size": size_label(nbytes),
                 "bytes": nbytes, "devices": "8->4", "runs_s": totals,
                 "median_s": median(totals), "phases_median_s": phases}
-        known = [o["peak_extra_bytes"] for o in outs if o.get("peak_extra_bytes") is not None]
-        if known:  # the worst run's, from the failure (a relaunch: its restore) to a step
-            line.update(peak_extra_bytes=max(known),
-                        peak_extra_vs_state=round(max(known) / nbytes, 3))
+        peak = worst_peak([o["peak_extra_bytes"] for o in outs], nbytes)
+        if peak["peak_extra_bytes"] is not None:  # from the failure (a relaunch: its restore)
+            line.update(peak)
         if system == "resilient_ckpt":
             line.update({f"{k[:-2]}_median_s": median([o[k] for o in outs]) for k in extra})
             line["steps_lost"] = [o["steps_lost"] for o in outs]

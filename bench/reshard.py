@@ -40,6 +40,7 @@ from _common import (
     parse_options,
     prepare,
     size_label,
+    worst_peak,
 )
 
 prepare(devices=8)
@@ -179,8 +180,7 @@ def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
             med[(s, c)] = statistics.median(ts)
             emit({"bench": BENCH, "system": s, "case": c, "bytes": size, "devices": 8,
                   "runs_s": [round(t, 4) for t in ts], "median_s": round(med[(s, c)], 4),
-                  "peak_extra_bytes": max(peaks, default=None),
-                  "peak_extra_vs_state": round(max(peaks) / size, 3) if peaks else None})
+                  **worst_peak(peaks, size)})
         summary = {}
         for name in meshes:
             for tier in ("ram", "local"):

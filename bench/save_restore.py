@@ -57,6 +57,7 @@ from _common import (
     same_values,
     size_label,
     trim,
+    worst_peak,
 )
 
 prepare(devices=8)
@@ -589,9 +590,7 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
                 "gb_per_s": round(actual / med / 1e9, 3) if med > 0 else None}
         for k, vals in extras.get((system, case), {}).items():
             if k == "peak_extra_bytes":  # the worst run
-                known = [x for x in vals if x is not None]
-                line[k] = max(known) if known else None
-                line["peak_extra_vs_state"] = round(max(known) / actual, 3) if known else None
+                line.update(worst_peak(vals, actual))
                 continue
             uniq = [x for i, x in enumerate(vals) if x not in vals[:i]]
             line[k] = uniq[0] if len(uniq) == 1 else vals
