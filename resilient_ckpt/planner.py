@@ -123,6 +123,25 @@ def plan_target(box: Box, chunks: Sequence[ChunkRecord], where: str) -> TargetPl
     return TargetPlan(box, tuple(pieces))
 
 
+def plan_boxes(boxes: Sequence[Box], chunks: Sequence[ChunkRecord], where: str
+               ) -> list[TargetPlan]:
+    """plan_target of each box, for chunks that tile their array, as a
+    selected step's do (selection checks chunks_cover): a box that is exactly
+    one chunk is planned as that chunk, without comparing it with every other
+    (a third of a 256 MB RAM-tier restore's time, 3086 chunks, went there)."""
+    exact = {(c.offsets, c.sizes): c for c in chunks}
+    plans = []
+    for box in boxes:
+        c = exact.get(box)
+        n = box_elements(box)
+        if c is None or n == 0:
+            plans.append(plan_target(box, chunks, where))
+            continue
+        whole = tuple(slice(0, k) for k in box[1])
+        plans.append(TargetPlan(box, (Piece(c, whole, whole, n),)))
+    return plans
+
+
 def _disjoint(box: Box, inters: list[Box]) -> bool:
     """Whether boxes (each inside `box`) overlap nowhere. A few are compared
     pairwise; many on the grid their edges make, marking each cell once, so a

@@ -123,8 +123,7 @@ class ChunkReader:
             for src, dst in parts:
                 dst[...] = arr[src]
             return []
-        first = next((t for t in self.choice.sources.get(c.key, ())
-                      if (t, c.key) not in self.bad), None)
+        first = self.first_copy(c)
         futures = []
         if first is not None and (in_place or not self.storages[first].zero_copy):
             # Parts of whole rows go straight into place; only the rest is staged.
@@ -220,8 +219,7 @@ class ChunkReader:
             full = all(sl == slice(0, n)
                        for sl, n in zip(p.src[1:], c.sizes[1:], strict=False)) and \
                 tuple(c.sizes[1:]) == tuple(box[1][1:])
-            tier = next((t for t in self.choice.sources.get(c.key, ())
-                         if (t, c.key) not in self.bad), None)
+            tier = self.first_copy(c)
             if not full or c.codec != "raw" or rows_per_block(c) is None or tier is None \
                     or not self.storages[tier].zero_copy:
                 return None
@@ -266,6 +264,11 @@ class ChunkReader:
         self._served(tier, c.key, sum(len(d) for d, _, _ in runs))
         return True
 
+
+    def first_copy(self, c: ChunkRecord) -> str | None:
+        """The tier whose copy of `c` is read first, if any is left."""
+        return next((t for t in self.choice.sources.get(c.key, ())
+                     if (t, c.key) not in self.bad), None)
 
     def _failed(self, tier: str, key: str, msg: str) -> None:
         with self._lock:

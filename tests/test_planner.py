@@ -69,3 +69,23 @@ def test_plan_covers_every_target_element_exactly_once(case):
         assert (hits == 1).all()
         assert np.array_equal(out, full[box_to_slices(box)])
         assert sum(p.elements for p in plan.pieces) == int(np.prod(t.sizes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
+    st.just(tuple(shape)),
+    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]),
+    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]))))
+def test_planning_many_boxes_at_once_agrees_with_one_at_a_time(case):
+    # The short path (a box that is one chunk) must give what the full
+    # comparison gives, for boxes that are chunks, cross chunks or hold several.
+    shape, save_cuts, target_cuts = case
+    chunks = grid_chunks(shape, save_cuts)
+    boxes = [(c.offsets, c.sizes) for c in grid_chunks(shape, target_cuts) + chunks]
+    want = [planner.plan_target(b, chunks, "leaf") for b in boxes]
+    assert planner.plan_boxes(boxes, chunks, "leaf") == want
+    if not shape:
+        return
+    with pytest.raises(ValueError, match="cover"):  # a box off the tiles is still refused
+        planner.plan_boxes([(tuple(0 for _ in shape), tuple(n + 1 for n in shape))],
+                           chunks, "leaf")
