@@ -31,6 +31,11 @@ Cases (times are the slowest process's, after a barrier):
   line gives the bytes read from the shared local tier and host 1's share (the
   bytes of its own addressable shards: what it must get from somewhere).
 
+Each line's peak_extra_bytes is the worst of every process's peak resident
+memory over each save (with its writes) or restore (to the restored state's
+check), above its level before (_common.PeakRss); peak_extra_vs_state is over
+the bytes one process holds (one replica: the whole state here).
+
 Summary (a key ends in the size, e.g. _64mb):
 
 - restore_ram_speedup_vs_orbax_emergency: emergency's restore_latest time over
@@ -42,7 +47,9 @@ Summary (a key ends in the size, e.g. _64mb):
   device to device" (the state is replicated across the hosts here, so the
   goal is 0; without replicas it would be <= 1.05);
 - lost_host_peer_bytes_vs_lost_share: the bytes host 1 got from its peer, over
-  its share (1: all of it).
+  its share (1: all of it);
+- peak_save_vs_budget, peak_restore_vs_budget (orbax_ for Orbax's manager):
+  the worst peak over a process's share + 256 MiB; goal <= 1.
 
 Where a system fails, its line carries "error" and the remaining runs go on.
 
@@ -59,7 +66,15 @@ import statistics
 import sys
 import tempfile
 
-from _common import bench_parser, emit, emit_summary, parse_options, size_label
+from _common import (
+    bench_parser,
+    emit,
+    emit_summary,
+    parse_options,
+    peaks_vs_budget,
+    size_label,
+    worst_peak,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -73,6 +88,8 @@ GOALS = {
     "restore_ram_speedup_vs_orbax_emergency": (">=", 4.0),
     "save_blocking_vs_orbax": ("<=", 1.0),
     "lost_host_shared_bytes_vs_lost_share": ("<=", 0.0),
+    "peak_save_vs_budget": ("<=", 1.0),
+    "peak_restore_vs_budget": ("<=", 1.0),
 }
 
 WORKER = r'''
@@ -84,7 +101,10 @@ p.add_argument("--system", required=True)
 p.add_argument("--phase", required=True, choices=["save", "restore"])
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--lose", action="store_true")
+p.add_argument("--bench", required=True)  # bench/, for _common.PeakRss
 o = p.parse_args(ctx.extra)
+sys.path.insert(0, o.bench)
+from _common import PeakRss
 
 
 def manager(abstract):
@@ -109,6 +129,7 @@ def restore(mngr, abstract):
     import orbax.checkpoint as ocp
     out = {"latest": mngr.latest_step()}
     mh.barrier("restore-start")
+    peak = PeakRss().__enter__()  # to the restored state's check: it is alive then
     t = time.perf_counter()
     if o.system == "resilient_ckpt":
         state = mngr.restore(None, args=ocp.args.StandardRestore(abstract))
@@ -125,6 +146,8 @@ def restore(mngr, abstract):
     import jax
     jax.block_until_ready(state)
     out["seconds"] = time.perf_counter() - t
+    peak.__exit__(None, None, None)
+    out["peak_extra_bytes"] = peak.extra
     out["mismatches"] = len(ctx.check_exact(state, out["step"]))
     del state
     return out
@@ -137,16 +160,18 @@ def run(ctx):
     if o.phase == "save":
         mngr = manager(abstract)
         state = ctx.initial_state()
-        times = []
+        times, peaks = [], []
         for k in range(1, o.steps + 1):
             state = jax.block_until_ready(ctx.train_step(state, k))
             mh.barrier(f"save-{k}")
-            t = time.perf_counter()
-            mngr.save(k, args=save_args(state))
-            times.append(time.perf_counter() - t)
-            mngr.wait_until_finished()
+            with PeakRss() as peak:  # the save and its writes, the state alive before
+                t = time.perf_counter()
+                mngr.save(k, args=save_args(state))
+                times.append(time.perf_counter() - t)
+                mngr.wait_until_finished()
+            peaks.append(peak.extra)
         mh.barrier("saved")
-        out["save_s"] = times
+        out["save_s"], out["save_peak_extra_bytes"] = times, peaks
         mngr.close()
         mh.report(out)
         return
@@ -179,7 +204,8 @@ def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool
     """One 2-process job; returns (reports per process, error or None)."""
     args = ["--dir", os.path.join(workdir, "shared"), "--ram", os.path.join(shm, "ram{pid}"),
             "--mesh", MESH, "--state-bytes", str(nbytes), "--system", system,
-            "--phase", phase] + (["--lose"] if lose else [])
+            "--phase", phase, "--bench", os.path.dirname(os.path.abspath(__file__))
+            ] + (["--lose"] if lose else [])
     timeout = 120 + nbytes / 5e6  # a generous bound: 1 GB gets 5+ minutes
     try:
         res = run_job(WORKER, NPROCS, DEVICES, args, timeout_s=timeout, fail_fast_s=15)
@@ -208,6 +234,8 @@ def main(argv=None) -> int:
                 for c in ("save_blocking", "restore_latest", "restore_lost_host")}
         extra = {k: [] for k in runs}
         errors = {k: [] for k in runs}
+        peaks = {k: [] for k in runs}  # every process's, every run's
+        share = 0  # the bytes a process holds (its addressable shards)
         for rep in range(a.repeats):
             for system in SYSTEMS:
                 workdir = tempfile.mkdtemp(prefix=f"rc-bench-mh-{system}-")
@@ -222,6 +250,9 @@ def main(argv=None) -> int:
                         for c in ("restore_latest", "restore_lost_host"):
                             errors[(system, c)].append("no checkpoint: the save job failed")
                         continue
+                    share = max(r["target_bytes"] for r in reports)
+                    peaks[(system, "save_blocking")] += [
+                        x for r in reports for x in r["save_peak_extra_bytes"]]
                     blocked = [statistics.mean(r["save_s"][1:]) for r in reports]
                     runs[(system, "save_blocking")].append(max(blocked))
                     extra[(system, "save_blocking")].append(
@@ -256,10 +287,11 @@ def main(argv=None) -> int:
                                 f"processes restored steps {steps}, exact: {info['exact']}")
                             continue
                         runs[(system, case)].append(max(r["seconds"] for r in rs))
+                        peaks[(system, case)] += [r["peak_extra_bytes"] for r in rs]
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
                     shutil.rmtree(shm, ignore_errors=True)
-        medians = {}
+        medians, worst = {}, {}
         for (system, case), xs in runs.items():
             if system == "orbax" and case == "restore_lost_host":
                 continue  # nothing host-local to lose
@@ -267,6 +299,10 @@ def main(argv=None) -> int:
                     "size": label, "processes": NPROCS, "devices": NPROCS * DEVICES,
                     "mesh": "replica=2,data=2,model=2",
                     "runs_s": [round(x, 4) for x in xs], "median_s": _median(xs)}
+            if peaks[(system, case)] and share:
+                line.update(worst_peak(peaks[(system, case)], share))
+                if line["peak_extra_bytes"] is not None:
+                    worst[(system, case)] = line["peak_extra_bytes"]
             if extra[(system, case)]:
                 line["runs"] = extra[(system, case)]
             if errors[(system, case)]:
@@ -290,6 +326,7 @@ def main(argv=None) -> int:
         peers = [i["peer_bytes"] / i["lost_share"] for i in lost if i["lost_share"]]
         summary[f"lost_host_peer_bytes_vs_lost_share_{label}"] = (
             round(statistics.median(peers), 4) if peers else None)
+        summary.update(peaks_vs_budget(worst, share, label))
     emit_summary(BENCH, summary, GOALS)
     return 0
 
