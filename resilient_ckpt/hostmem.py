@@ -72,6 +72,16 @@ def host_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(host_mmap(nbytes), dtype=np.uint8)[:nbytes]
 
 
+def untouched_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros in fresh page-aligned memory that is not populated: no resident
+    memory until written, and aligned, so jax's CPU client aliases it rather
+    than copying it (np.zeros is not: a lost host's 1 GB of shards to fill
+    from its peers was copied and resident)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n].view(dtype).reshape(shape)
+
+
 class Region:
     """An address range filled by `place` with copy-on-write file mappings.
 

@@ -129,17 +129,23 @@ def _fill_group(holes: Sequence[tuple[jax.Array, dict]], mesh, rep: tuple[str, .
     picked, any_held = _select(NamedSharding(mesh, PartitionSpec(used or None, None)),
                                NamedSharding(mesh, PartitionSpec(used or None)))(x, h)
     ok = all(bool(np.asarray(s.data).all()) for s in any_held.addressable_shards)
-    return [_unpack(array, picked, off) for (array, _), off in zip(holes, offsets,
-                                                                  strict=True)], ok
+    return [_unpack(array, have, picked, off) for (array, have), off in zip(
+        holes, offsets, strict=True)], ok
 
 
-def _unpack(array: jax.Array, picked: jax.Array, offset: int) -> jax.Array:
-    """One leaf out of the selected packs: each device's shard from its bytes."""
+def _unpack(array: jax.Array, have: dict, picked: jax.Array, offset: int) -> jax.Array:
+    """One leaf out of the selected packs: a shard its device read is kept as
+    it is, the others are copied out of the selection (copying them all
+    doubled the memory of a holder's restore)."""
     by_device = {s.device: np.asarray(s.data).reshape(-1) for s in picked.addressable_shards}
     shards = []
     for s in array.addressable_shards:
-        raw = by_device[s.device][offset:offset + s.data.nbytes]
-        host = np.array(raw).view(s.data.dtype).reshape(s.data.shape)
+        if have[s.device]:
+            shards.append(s.data)
+            continue
+        host = host_buffer(s.data.nbytes)  # mapped: freed to the system with the leaf
+        host[:] = by_device[s.device][offset:offset + s.data.nbytes]
+        host = host.view(s.data.dtype).reshape(s.data.shape)
         shards.append(jax.device_put(host, s.device, may_alias=True))
     return jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
 

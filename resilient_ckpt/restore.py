@@ -28,7 +28,7 @@ import numpy as np
 
 from . import args as args_lib, layout, metadata
 from .errors import TargetMismatchError
-from .hostmem import host_buffer
+from .hostmem import host_buffer, untouched_zeros
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
 from .planner import plan_boxes, plan_target
 from .pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
@@ -278,7 +278,7 @@ def _start_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkRe
             if cast is not None:  # after the reader checked the stored bytes
                 host = {b: a.astype(cast) for b, a in host.items()}
             for b in missing:  # filled from the peers' replicas, after every process read
-                host[b] = np.zeros(b[1], cast or jnp.dtype(rec.dtype))
+                host[b] = untouched_zeros(b[1], cast or jnp.dtype(rec.dtype))
             out = _place(shape, sharding, host)
         if reader.fills is not None:
             gone = set(missing)
