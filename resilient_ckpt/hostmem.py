@@ -2,7 +2,8 @@
 
 `host_buffer` gives a fresh page-aligned buffer, backed by huge pages and
 populated by the kernel in one call where it can (first touch of fresh memory
-is the slowest step of a restore on these machines). `Region` reserves an
+is the slowest step of a restore on these machines); `untouched_zeros` gives
+aligned zeros that take no memory until written. `Region` reserves an
 address range and maps row ranges of several RAM-tier files into it side by
 side, copy-on-write, so a target shard that stacks whole rows of several saved
 chunks (a smaller data axis after a failure) becomes one array without copying.

@@ -31,9 +31,10 @@ from .hostmem import host_buffer
 
 # Bytes of leaves packed per program, over all of this process's devices:
 # a round holds its packs, their gathered replicas and the selection (about
-# replicas + 2 times this), so the fill stays near the restore's budget of
-# 256 MiB past the state. Bounded per device, 256 MiB each, a 1 GB lost-host
-# restore on 2 hosts x 4 CPU devices peaked at 4.3x the host's share.
+# replicas + 2 times this), so a round stays within the restore's budget of
+# 256 MiB past the state however many devices a host has (it was 256 MiB per
+# device). What a 1 GB lost-host fill still takes beyond that is XLA's:
+# docs/benchmarks.md.
 GROUP_BYTES = 64 * 1024 * 1024
 _ALIGN = 4096
 
