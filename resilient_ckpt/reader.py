@@ -264,7 +264,6 @@ class ChunkReader:
         self._served(tier, c.key, sum(len(d) for d, _, _ in runs))
         return True
 
-
     def first_copy(self, c: ChunkRecord) -> str | None:
         """The tier whose copy of `c` is read first, if any is left."""
         return next((t for t in self.choice.sources.get(c.key, ())
