@@ -94,17 +94,20 @@ class ChunkReader:
             f"(tried {tried or 'none'}); restore an older step (latest_step() now "
             "skips this one)")
 
-    def whole(self, c: ChunkRecord, where: str, zero_copy: bool) -> np.ndarray:
-        """The chunk's verified, uncompressed bytes in a buffer of its own (or,
-        with zero_copy, a copy-on-write mapping of a RAM-tier object)."""
+    def whole(self, c: ChunkRecord, where: str, zero_copy: bool,
+              out: np.ndarray | None = None) -> np.ndarray:
+        """The chunk's verified, uncompressed bytes in `out` (c.nbytes, uint8)
+        or a buffer of its own (or, with zero_copy, a copy-on-write mapping of
+        a RAM-tier object)."""
         def read(st: Storage, key: str):
             raw = c.codec == "raw"
             buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
             if buf is None:
-                buf = host_buffer(c.stored_nbytes)
+                buf = out if raw and out is not None else host_buffer(c.stored_nbytes)
                 st.read_into(key, buf.data)
             if not raw:
-                buf = codec.decode(c.codec, buf, c.nbytes, host_buffer(c.nbytes))
+                buf = codec.decode(c.codec, buf, c.nbytes,
+                                   out if out is not None else host_buffer(c.nbytes))
             if crc32c.value(buf) != c.crc32c:
                 raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             return buf, c.stored_nbytes

@@ -28,7 +28,7 @@ import numpy as np
 
 from . import args as args_lib, layout, metadata
 from .errors import TargetMismatchError
-from .hostmem import host_buffer, untouched_zeros
+from .hostmem import carve, untouched_zeros
 from .manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
 from .planner import plan_boxes, plan_target
 from .pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
@@ -140,16 +140,20 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
     are read on the reader's pool, so the next leaves' reads run meanwhile.
     With `dest` (box -> array), every box is read into its array instead."""
     dtype = jnp.dtype(rec.dtype)
-    wholes, mapped, plans = {}, {}, {}
+    wholes, mapped, plans, singles = {}, {}, {}, {}
     for box, plan in zip(boxes, plan_boxes(boxes, rec.chunks, where), strict=True):
         if dest is not None:
             plans[box] = plan
         elif plan.single is not None:
-            wholes[box] = _start_whole(reader, plan.single, where, zero_copy)
+            singles[box] = plan.single
         elif zero_copy:
             mapped[box] = (plan, reader.pool.submit(reader.stitched, box, plan, dtype))
         else:
             plans[box] = plan
+    read = [b for b, c in singles.items() if not _mappable(reader, c, zero_copy)]
+    bufs = dict(zip(read, carve([singles[b].nbytes for b in read]), strict=True))
+    for box, c in singles.items():
+        wholes[box] = _start_whole(reader, c, where, zero_copy, bufs.get(box))
     assembled = _assemble(plans, dtype, reader, where, dest)
 
     def done() -> dict:
@@ -172,19 +176,25 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
 INLINE_BYTES = 1 << 20
 
 
-def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: bool
-                 ) -> cf.Future:
-    """reader.whole(c) started on the reader's pool, or done on this thread
-    for a small chunk mapped from the RAM tier: on the pool its few system
-    calls each waited for the GIL while this thread planned the next leaves
-    (a 256 MB restore of 3086 chunks took 1.0 s, 0.6 s with them here)."""
+def _mappable(reader: ChunkReader, c: ChunkRecord, zero_copy: bool) -> bool:
+    """Whether the chunk's first copy is a RAM-tier object `whole` maps."""
     tier = reader.first_copy(c)
-    if not (zero_copy and c.codec == "raw" and c.stored_nbytes <= INLINE_BYTES
-            and tier is not None and reader.storages[tier].zero_copy):
-        return reader.pool.submit(reader.whole, c, where, zero_copy)
+    return (zero_copy and c.codec == "raw" and tier is not None
+            and reader.storages[tier].zero_copy)
+
+
+def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: bool,
+                 out: np.ndarray | None) -> cf.Future:
+    """reader.whole(c) (into `out`, if not mapped) started on the reader's
+    pool, or done on this thread for a small chunk mapped from the RAM tier:
+    on the pool its few system calls each waited for the GIL while this
+    thread planned the next leaves (a 256 MB restore of 3086 chunks took
+    1.0 s, 0.6 s with them here)."""
+    if not (c.stored_nbytes <= INLINE_BYTES and _mappable(reader, c, zero_copy)):
+        return reader.pool.submit(reader.whole, c, where, zero_copy, out)
     done: cf.Future = cf.Future()
     try:
-        done.set_result(reader.whole(c, where, zero_copy))
+        done.set_result(reader.whole(c, where, zero_copy, out))
     except Exception as e:  # raised where the caller waits, as from the pool
         done.set_exception(e)
     return done
@@ -198,9 +208,8 @@ def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str,
     all the boxes it serves. The returned call waits for the boxes."""
     in_place = dest is not None
     if dest is None:
-        bufs = {box: reader.pool.submit(host_buffer, box_elements(box) * dtype.itemsize)
-                for box in plans}  # faulted in parallel
-        dest = {box: f.result().view(dtype).reshape(box[1]) for box, f in bufs.items()}
+        bufs = carve([box_elements(box) * dtype.itemsize for box in plans])
+        dest = {box: b.view(dtype).reshape(box[1]) for box, b in zip(plans, bufs, strict=True)}
     out, parts, chunks = {box: dest[box] for box in plans}, collections.defaultdict(list), {}
     for box, plan in plans.items():
         for p in plan.pieces:
