@@ -29,7 +29,11 @@ Cases (times are the slowest process's, after a barrier):
   loses its host-local directory (RAM tier / emergency local directory), a new
   manager is opened and the newest viable step restored again. For ours the
   line gives the bytes read from the shared local tier and host 1's share (the
-  bytes of its own addressable shards: what it must get from somewhere).
+  bytes of its own addressable shards: what it must get from somewhere);
+- restore_onto4 (ours, orbax): a fresh job of 2 processes x 2 devices restores
+  the newest step onto a (data=2, model=2) mesh, each process half of the
+  data axis. Ours gives the bytes each process read (every tier and its
+  peers) over its share of the new target.
 
 Each line's peak_extra_bytes is the worst of every process's peak resident
 memory over each save (with its writes) or restore (to the restored state's
@@ -48,8 +52,13 @@ Summary (a key ends in the size, e.g. _64mb):
   goal is 0; without replicas it would be <= 1.05);
 - lost_host_peer_bytes_vs_lost_share: the bytes host 1 got from its peer, over
   its share (1: all of it);
+- onto4_read_bytes_vs_share: the most any process read in restore_onto4 over
+  its share of the new target (the median over the repeats); goal <= 1.05
+  (once 1.65: a process read the chunks its peers needed too);
+- restore_onto4_speedup_vs_orbax: Orbax's restore_onto4 time over ours;
 - peak_save_vs_budget, peak_restore_vs_budget (orbax_ for Orbax's manager):
-  the worst peak over a process's share + 256 MiB; goal <= 1.
+  the worst peak over a process's share + 256 MiB; goal <= 1;
+  peak_restore_onto4_vs_budget (orbax_ too) the same over the onto4 share.
 
 Where a system fails, its line carries "error" and the remaining runs go on.
 
@@ -67,6 +76,7 @@ import sys
 import tempfile
 
 from _common import (
+    BUDGET_EXTRA,
     bench_parser,
     emit,
     emit_summary,
@@ -83,11 +93,13 @@ from _multihost import describe, run_job  # noqa: E402  (the test harness starts
 BENCH = "multihost"
 NPROCS, DEVICES = 2, 4
 MESH = "2,2,2"
+ONTO4, ONTO4_DEVICES, ONTO4_MESH = "restore_onto4", 2, "2,2"  # (data, model), 2 per process
 SYSTEMS = ("resilient_ckpt", "orbax", "orbax_emergency")
 GOALS = {
     "restore_ram_speedup_vs_orbax_emergency": (">=", 4.0),
     "save_blocking_vs_orbax": ("<=", 1.0),
     "lost_host_shared_bytes_vs_lost_share": ("<=", 0.0),
+    "onto4_read_bytes_vs_share": ("<=", 1.05),
     "peak_save_vs_budget": ("<=", 1.0),
     "peak_restore_vs_budget": ("<=", 1.0),
 }
@@ -200,15 +212,16 @@ def log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool = False):
+def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool = False,
+        devices: int = DEVICES, mesh: str = MESH):
     """One 2-process job; returns (reports per process, error or None)."""
     args = ["--dir", os.path.join(workdir, "shared"), "--ram", os.path.join(shm, "ram{pid}"),
-            "--mesh", MESH, "--state-bytes", str(nbytes), "--system", system,
+            "--mesh", mesh, "--state-bytes", str(nbytes), "--system", system,
             "--phase", phase, "--bench", os.path.dirname(os.path.abspath(__file__))
             ] + (["--lose"] if lose else [])
     timeout = 120 + nbytes / 5e6  # a generous bound: 1 GB gets 5+ minutes
     try:
-        res = run_job(WORKER, NPROCS, DEVICES, args, timeout_s=timeout, fail_fast_s=15)
+        res = run_job(WORKER, NPROCS, devices, args, timeout_s=timeout, fail_fast_s=15)
     except AssertionError as e:  # the harness's hard timeout
         return None, f"timeout: {str(e)[:1500]}"
     reports = [r.last("pid") for r in res]
@@ -218,6 +231,26 @@ def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool
     if not all(r.ok for r in res) or not all(reports):
         return reports, describe(res, 1200)[-2500:]
     return reports, None
+
+
+def onto4_run(system: str, reports: list) -> dict:
+    """A restore_onto4 job's run: the slowest process's seconds, the steps,
+    every process's peak, and (ours) the most any process read over its
+    share; "error" where the processes disagree or a value is wrong."""
+    rs = [r["restore"] for r in reports]
+    steps = [r["step"] for r in rs]
+    out = {"seconds": max(r["seconds"] for r in rs), "steps": steps,
+           "peaks": [r["peak_extra_bytes"] for r in rs]}
+    if len(set(steps)) != 1 or any(r["mismatches"] for r in rs):
+        return {"error": f"processes restored steps {steps}, mismatches "
+                         f"{[r['mismatches'] for r in rs]}"}
+    if system == "resilient_ckpt":
+        read = [sum(r["bytes_by_tier"].values()) for r in rs]
+        out["bytes_by_tier"] = [r["bytes_by_tier"] for r in rs]
+        out["shares"] = [r["target_bytes"] for r in reports]
+        out["read_vs_share"] = round(max(
+            n / s for n, s in zip(read, out["shares"], strict=True) if s), 4)
+    return out
 
 
 def _median(xs):
@@ -231,11 +264,12 @@ def main(argv=None) -> int:
     for nbytes in a.sizes:
         label = size_label(nbytes)
         runs = {(s, c): [] for s in SYSTEMS
-                for c in ("save_blocking", "restore_latest", "restore_lost_host")}
+                for c in ("save_blocking", "restore_latest", "restore_lost_host", ONTO4)}
         extra = {k: [] for k in runs}
         errors = {k: [] for k in runs}
         peaks = {k: [] for k in runs}  # every process's, every run's
         share = 0  # the bytes a process holds (its addressable shards)
+        onto4_share = 0  # the same on the onto4 target
         for rep in range(a.repeats):
             for system in SYSTEMS:
                 workdir = tempfile.mkdtemp(prefix=f"rc-bench-mh-{system}-")
@@ -258,6 +292,18 @@ def main(argv=None) -> int:
                     extra[(system, "save_blocking")].append(
                         {"per_save_s": [round(max(x), 4) for x in
                                         zip(*(r["save_s"] for r in reports), strict=True)]})
+                    if system != "orbax_emergency":  # it restores onto its own mesh only
+                        log(f"{label} repeat {rep + 1}/{a.repeats}: {system} {ONTO4}")
+                        reports, err = job(workdir, shm, system, "restore", nbytes,
+                                           devices=ONTO4_DEVICES, mesh=ONTO4_MESH)
+                        got = None if err else onto4_run(system, reports)
+                        if err or "error" in got:
+                            errors[(system, ONTO4)].append(err or got["error"])
+                        else:
+                            onto4_share = max(r["target_bytes"] for r in reports)
+                            extra[(system, ONTO4)].append(got)
+                            runs[(system, ONTO4)].append(got["seconds"])
+                            peaks[(system, ONTO4)] += got["peaks"]
                     lose = system != "orbax"
                     log(f"{label} repeat {rep + 1}/{a.repeats}: {system} restore")
                     reports, err = job(workdir, shm, system, "restore", nbytes, lose=lose)
@@ -293,16 +339,23 @@ def main(argv=None) -> int:
                     shutil.rmtree(shm, ignore_errors=True)
         medians, worst = {}, {}
         for (system, case), xs in runs.items():
-            if system == "orbax" and case == "restore_lost_host":
-                continue  # nothing host-local to lose
+            if (system, case) in (("orbax", "restore_lost_host"), ("orbax_emergency", ONTO4)):
+                continue  # nothing host-local to lose; no other mesh
+            onto4 = case == ONTO4
             line = {"bench": BENCH, "system": system, "case": case, "bytes": nbytes,
-                    "size": label, "processes": NPROCS, "devices": NPROCS * DEVICES,
-                    "mesh": "replica=2,data=2,model=2",
+                    "size": label, "processes": NPROCS,
+                    "devices": NPROCS * (ONTO4_DEVICES if onto4 else DEVICES),
+                    "mesh": "data=2,model=2" if onto4 else "replica=2,data=2,model=2",
                     "runs_s": [round(x, 4) for x in xs], "median_s": _median(xs)}
-            if peaks[(system, case)] and share:
-                line.update(worst_peak(peaks[(system, case)], share))
-                if line["peak_extra_bytes"] is not None:
+            held = onto4_share if onto4 else share
+            if peaks[(system, case)] and held:
+                line.update(worst_peak(peaks[(system, case)], held))
+                if line["peak_extra_bytes"] is not None and not onto4:
                     worst[(system, case)] = line["peak_extra_bytes"]
+                elif line["peak_extra_bytes"] is not None:
+                    name = "orbax_" if system == "orbax" else ""
+                    summary[f"{name}peak_restore_onto4_vs_budget_{label}"] = round(
+                        line["peak_extra_bytes"] / (held + BUDGET_EXTRA), 3)
             if extra[(system, case)]:
                 line["runs"] = extra[(system, case)]
             if errors[(system, case)]:
@@ -326,6 +379,12 @@ def main(argv=None) -> int:
         peers = [i["peer_bytes"] / i["lost_share"] for i in lost if i["lost_share"]]
         summary[f"lost_host_peer_bytes_vs_lost_share_{label}"] = (
             round(statistics.median(peers), 4) if peers else None)
+        reads = [i["read_vs_share"] for i in extra[("resilient_ckpt", ONTO4)]]
+        summary[f"onto4_read_bytes_vs_share_{label}"] = (
+            round(statistics.median(reads), 4) if reads else None)
+        ours_o, ob_o = medians.get(("resilient_ckpt", ONTO4)), medians.get(("orbax", ONTO4))
+        summary[f"restore_onto4_speedup_vs_orbax_{label}"] = (
+            round(ob_o / ours_o, 3) if ours_o and ob_o else None)
         summary.update(peaks_vs_budget(worst, share, label))
     emit_summary(BENCH, summary, GOALS)
     return 0
