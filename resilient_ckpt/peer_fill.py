@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .hostmem import host_buffer
+from .hostmem import carve, host_buffer
 
 # Bytes of leaves packed per program, over all of this process's devices:
 # a round holds its packs, their gathered replicas and the selection (about
@@ -139,12 +139,15 @@ def _unpack(array: jax.Array, have: dict, picked: jax.Array, offset: int) -> jax
     it is, the others are copied out of the selection (copying them all
     doubled the memory of a holder's restore)."""
     by_device = {s.device: np.asarray(s.data).reshape(-1) for s in picked.addressable_shards}
+    fill = [s for s in array.addressable_shards if not have[s.device]]
+    # One mapping for the leaf's copied shards, freed to the system with it.
+    bufs = dict(zip((s.device for s in fill), carve([s.data.nbytes for s in fill]), strict=True))
     shards = []
     for s in array.addressable_shards:
         if have[s.device]:
             shards.append(s.data)
             continue
-        host = host_buffer(s.data.nbytes)  # mapped: freed to the system with the leaf
+        host = bufs[s.device]
         host[:] = by_device[s.device][offset:offset + s.data.nbytes]
         host = host.view(s.data.dtype).reshape(s.data.shape)
         shards.append(jax.device_put(host, s.device, may_alias=True))
