@@ -85,7 +85,8 @@ def carve(sizes: list[int], threads: int = 2) -> list[np.ndarray]:
     are. Meant for the buffers of one leaf, which live and die together.
     After the host had reclaimed freed memory, populating 1 GB as 776
     mappings of 1.3 MiB took 0.87 s on 4 threads here, as 137 of 7.5 MiB
-    0.35-0.48 s on 2 (bigger mappings get huge pages; docs/benchmarks.md)."""
+    0.35-0.48 s on 2 (fewer mappings and threads contending: this guest
+    gets no huge pages; docs/benchmarks.md)."""
     groups: list[list[int]] = [[]]
     held = 0
     for n in sizes:

@@ -137,8 +137,10 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
     """Starts reading the host arrays for each target box of one leaf; the
     returned call waits for them and returns them by box. Whole chunks, and
     boxes mapped from rows of several RAM-tier chunks (with their checksums),
-    are read on the reader's pool, so the next leaves' reads run meanwhile.
-    With `dest` (box -> array), every box is read into its array instead."""
+    are read on the reader's pool, so the next leaves' reads run meanwhile;
+    the buffers they are read into are cut from one mapping here first
+    (`hostmem.carve`). With `dest` (box -> array), every box is read into
+    its array instead."""
     dtype = jnp.dtype(rec.dtype)
     wholes, mapped, plans, singles = {}, {}, {}, {}
     for box, plan in zip(boxes, plan_boxes(boxes, rec.chunks, where), strict=True):
