@@ -187,12 +187,12 @@ def _mappable(reader: ChunkReader, c: ChunkRecord, zero_copy: bool) -> bool:
 
 def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: bool,
                  out: np.ndarray | None) -> cf.Future:
-    """reader.whole(c) (into `out`, if not mapped) started on the reader's
-    pool, or done on this thread for a small chunk mapped from the RAM tier:
-    on the pool its few system calls each waited for the GIL while this
-    thread planned the next leaves (a 256 MB restore of 3086 chunks took
-    1.0 s, 0.6 s with them here)."""
-    if not (c.stored_nbytes <= INLINE_BYTES and _mappable(reader, c, zero_copy)):
+    """reader.whole(c) into `out` (None: the chunk is `_mappable`) started on
+    the reader's pool, or done on this thread for a small chunk mapped from
+    the RAM tier: on the pool its few system calls each waited for the GIL
+    while this thread planned the next leaves (a 256 MB restore of 3086
+    chunks took 1.0 s, 0.6 s with them here)."""
+    if out is not None or c.stored_nbytes > INLINE_BYTES:
         return reader.pool.submit(reader.whole, c, where, zero_copy, out)
     done: cf.Future = cf.Future()
     try:
