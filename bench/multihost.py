@@ -58,7 +58,8 @@ Summary (a key ends in the size, e.g. _64mb):
 - restore_onto4_speedup_vs_orbax: Orbax's restore_onto4 time over ours;
 - peak_save_vs_budget, peak_restore_vs_budget (orbax_ for Orbax's manager):
   the worst peak over a process's share + 256 MiB; goal <= 1;
-  peak_restore_onto4_vs_budget (orbax_ too) the same over the onto4 share.
+  peak_restore_vs_budget_onto4_<size> (orbax_ too) the same in restore_onto4,
+  over a process's share of its target.
 
 Where a system fails, its line carries "error" and the remaining runs go on.
 
@@ -76,7 +77,6 @@ import sys
 import tempfile
 
 from _common import (
-    BUDGET_EXTRA,
     bench_parser,
     emit,
     emit_summary,
@@ -233,24 +233,41 @@ def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool
     return reports, None
 
 
-def onto4_run(system: str, reports: list) -> dict:
-    """A restore_onto4 job's run: the slowest process's seconds, the steps,
-    every process's peak, and (ours) the most any process read over its
-    share; "error" where the processes disagree or a value is wrong."""
-    rs = [r["restore"] for r in reports]
+def restore_run(system: str, reports: list, key: str) -> tuple[dict, float, list]:
+    """One restore of a job's processes (`key` in their reports): its record
+    (the steps, whether they agree and every value is exact; for ours the bytes
+    by tier, from the shared tier and from peers, host 1's share, and the most a
+    process read over its share), the slowest process's seconds and every
+    process's peak."""
+    rs = [r[key] for r in reports]
     steps = [r["step"] for r in rs]
-    out = {"seconds": max(r["seconds"] for r in rs), "steps": steps,
-           "peaks": [r["peak_extra_bytes"] for r in rs]}
-    if len(set(steps)) != 1 or any(r["mismatches"] for r in rs):
-        return {"error": f"processes restored steps {steps}, mismatches "
-                         f"{[r['mismatches'] for r in rs]}"}
+    info = {"steps": steps, "agree": len(set(steps)) == 1,
+            "exact": all(r["mismatches"] == 0 for r in rs)}
     if system == "resilient_ckpt":
-        read = [sum(r["bytes_by_tier"].values()) for r in rs]
-        out["bytes_by_tier"] = [r["bytes_by_tier"] for r in rs]
-        out["shares"] = [r["target_bytes"] for r in reports]
-        out["read_vs_share"] = round(max(
-            n / s for n, s in zip(read, out["shares"], strict=True) if s), 4)
-    return out
+        tiers = [r.get("bytes_by_tier", {}) for r in rs]
+        info["bytes_by_tier"] = tiers
+        info["shared_bytes"] = sum(t.get("local", 0) for t in tiers)
+        info["peer_bytes"] = sum(t.get("peers", 0) for t in tiers)
+        info["lost_share"] = reports[1]["target_bytes"]
+        info["read_vs_share"] = round(max(
+            sum(t.values()) / p["target_bytes"]
+            for t, p in zip(tiers, reports, strict=True) if p["target_bytes"]), 4)
+    return info, max(r["seconds"] for r in rs), [r["peak_extra_bytes"] for r in rs]
+
+
+def record(sink: tuple, system: str, case: str, reports: list, key: str) -> bool:
+    """Adds one restore run of `case` to `sink` (runs, extra, errors, peaks,
+    each by (system, case)); whether it was right."""
+    runs, extra, errors, peaks = sink
+    info, seconds, run_peaks = restore_run(system, reports, key)
+    extra[(system, case)].append(info)
+    if not (info["agree"] and info["exact"]):
+        errors[(system, case)].append(
+            f"processes restored steps {info['steps']}, exact: {info['exact']}")
+        return False
+    runs[(system, case)].append(seconds)
+    peaks[(system, case)] += run_peaks
+    return True
 
 
 def _median(xs):
@@ -270,6 +287,8 @@ def main(argv=None) -> int:
         peaks = {k: [] for k in runs}  # every process's, every run's
         share = 0  # the bytes a process holds (its addressable shards)
         onto4_share = 0  # the same on the onto4 target
+
+        sink = (runs, extra, errors, peaks)
         for rep in range(a.repeats):
             for system in SYSTEMS:
                 workdir = tempfile.mkdtemp(prefix=f"rc-bench-mh-{system}-")
@@ -296,14 +315,10 @@ def main(argv=None) -> int:
                         log(f"{label} repeat {rep + 1}/{a.repeats}: {system} {ONTO4}")
                         reports, err = job(workdir, shm, system, "restore", nbytes,
                                            devices=ONTO4_DEVICES, mesh=ONTO4_MESH)
-                        got = None if err else onto4_run(system, reports)
-                        if err or "error" in got:
-                            errors[(system, ONTO4)].append(err or got["error"])
-                        else:
+                        if err:
+                            errors[(system, ONTO4)].append(err)
+                        elif record(sink, system, ONTO4, reports, "restore"):
                             onto4_share = max(r["target_bytes"] for r in reports)
-                            extra[(system, ONTO4)].append(got)
-                            runs[(system, ONTO4)].append(got["seconds"])
-                            peaks[(system, ONTO4)] += got["peaks"]
                     lose = system != "orbax"
                     log(f"{label} repeat {rep + 1}/{a.repeats}: {system} restore")
                     reports, err = job(workdir, shm, system, "restore", nbytes, lose=lose)
@@ -314,30 +329,12 @@ def main(argv=None) -> int:
                         continue
                     for case, key in (("restore_latest", "restore"),
                                       ("restore_lost_host", "lost")):
-                        if key not in reports[0]:
-                            continue
-                        rs = [r[key] for r in reports]
-                        steps = [r["step"] for r in rs]
-                        info = {"steps": steps, "agree": len(set(steps)) == 1,
-                                "exact": all(r["mismatches"] == 0 for r in rs)}
-                        if system == "resilient_ckpt":
-                            info["bytes_by_tier"] = [r.get("bytes_by_tier") for r in rs]
-                            info["shared_bytes"] = sum(
-                                r.get("bytes_by_tier", {}).get("local", 0) for r in rs)
-                            info["peer_bytes"] = sum(
-                                r.get("bytes_by_tier", {}).get("peers", 0) for r in rs)
-                            info["lost_share"] = reports[1]["target_bytes"]
-                        extra[(system, case)].append(info)
-                        if not (info["agree"] and info["exact"]):
-                            errors[(system, case)].append(
-                                f"processes restored steps {steps}, exact: {info['exact']}")
-                            continue
-                        runs[(system, case)].append(max(r["seconds"] for r in rs))
-                        peaks[(system, case)] += [r["peak_extra_bytes"] for r in rs]
+                        if key in reports[0]:
+                            record(sink, system, case, reports, key)
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
                     shutil.rmtree(shm, ignore_errors=True)
-        medians, worst = {}, {}
+        medians, worst, worst4 = {}, {}, {}  # worst4: the onto4 cases'
         for (system, case), xs in runs.items():
             if (system, case) in (("orbax", "restore_lost_host"), ("orbax_emergency", ONTO4)):
                 continue  # nothing host-local to lose; no other mesh
@@ -350,12 +347,8 @@ def main(argv=None) -> int:
             held = onto4_share if onto4 else share
             if peaks[(system, case)] and held:
                 line.update(worst_peak(peaks[(system, case)], held))
-                if line["peak_extra_bytes"] is not None and not onto4:
-                    worst[(system, case)] = line["peak_extra_bytes"]
-                elif line["peak_extra_bytes"] is not None:
-                    name = "orbax_" if system == "orbax" else ""
-                    summary[f"{name}peak_restore_onto4_vs_budget_{label}"] = round(
-                        line["peak_extra_bytes"] / (held + BUDGET_EXTRA), 3)
+                if line["peak_extra_bytes"] is not None:
+                    (worst4 if onto4 else worst)[(system, case)] = line["peak_extra_bytes"]
             if extra[(system, case)]:
                 line["runs"] = extra[(system, case)]
             if errors[(system, case)]:
@@ -379,13 +372,15 @@ def main(argv=None) -> int:
         peers = [i["peer_bytes"] / i["lost_share"] for i in lost if i["lost_share"]]
         summary[f"lost_host_peer_bytes_vs_lost_share_{label}"] = (
             round(statistics.median(peers), 4) if peers else None)
-        reads = [i["read_vs_share"] for i in extra[("resilient_ckpt", ONTO4)]]
+        reads = [i["read_vs_share"] for i in extra[("resilient_ckpt", ONTO4)]
+                 if i["agree"] and i["exact"]]
         summary[f"onto4_read_bytes_vs_share_{label}"] = (
             round(statistics.median(reads), 4) if reads else None)
         ours_o, ob_o = medians.get(("resilient_ckpt", ONTO4)), medians.get(("orbax", ONTO4))
         summary[f"restore_onto4_speedup_vs_orbax_{label}"] = (
             round(ob_o / ours_o, 3) if ours_o and ob_o else None)
         summary.update(peaks_vs_budget(worst, share, label))
+        summary.update(peaks_vs_budget(worst4, onto4_share, f"onto4_{label}"))
     emit_summary(BENCH, summary, GOALS)
     return 0
 
