@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import time
 from decimal import Decimal
 
 PRINTED: list[dict] = []  # every line printed so far, for --plot
@@ -309,6 +310,21 @@ def trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc: nothing to give back this way
         pass
+
+
+SETTLE_S = 3.0
+
+
+def settle(seconds: float = SETTLE_S) -> None:
+    """`trim`, then a wait long enough for the VM to take back what was freed
+    (docs/environment.md: free page reporting, within 2-5 s), so a timed case
+    faults in memory the host holds whatever ran before it. Without it a case
+    right after a free of gigabytes reused those pages or not by the order of
+    the cases: at 4 GB our warm local restore, run just after the RAM tier's
+    4 GB went, took 10.3-12.2 s and Orbax's 8.6-8.7 s; both settled, 5.1-8.9 s
+    against 10.8-12.5 s (docs/benchmarks.md, Dec 3 evening)."""
+    trim()
+    time.sleep(seconds)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ restored, interleaved within each repeat:
 - resilient_ckpt from the RAM tier and from the local tier (warm page cache):
   onto the saved sharding ("same"), and onto a (2, 2) and a (3, 2) mesh;
 - orbax: its resharded restore of the same state from local disk (warm).
+Each timed restore starts after `_common.settle` (3 s for the VM to take back
+what the case before freed), so the order of the cases favours no system.
 Peak host memory of each case is measured apart, in a fresh process per case
 (VmHWM minus the resident set just before the restore), so that memory kept by
 allocators from earlier runs hides nothing: the promise "state plus the
@@ -39,6 +41,7 @@ from _common import (
     make_mesh,
     parse_options,
     prepare,
+    settle,
     size_label,
     worst_peak,
 )
@@ -84,8 +87,9 @@ def nbytes(state) -> int:
 
 
 def measured(fn) -> float:
-    """Seconds of fn() until its result is ready, the result dropped."""
-    gc.collect()
+    """Seconds of fn() until its result is ready, the result dropped; it starts
+    settled (_common.settle), so no case reuses the pages the one before freed."""
+    settle()
     t0 = time.perf_counter()
     out = fn()
     jax.block_until_ready(out)

@@ -17,6 +17,10 @@ tenants hits every system alike:
   blocking time of `save` (and of its first), save + wait_until_finished, restore with a warm and
   a cold page cache.
 
+Every timed restore, of either system, and each system's first save start
+after `_common.settle` (3 s for the VM to take back what was freed), so the
+order of the cases does not decide whose memory is fresh.
+
 Peak memory: every save (with its tier writes) and every restore of either
 system is run inside a reset of the process's resident high-water mark
 (_common.PeakRss), and its line carries the worst run's bytes above the level
@@ -55,6 +59,7 @@ from _common import (
     proc_kb,
     read_jsonl,
     same_values,
+    settle,
     size_label,
     trim,
     worst_peak,
@@ -355,7 +360,7 @@ class Ours:
                     extra["cold_method"] = drop_caches(files_under(step_dir))
                 else:
                     read_through(files_under(step_dir))
-            trim()
+            settle()
             with PeakRss() as peak:  # the restored state is alive at its end
                 t, out = timed(r.restore, step, args=ocp.args.StandardRestore(abstract))
             extra["peak_extra_bytes"] = peak.extra
@@ -449,7 +454,7 @@ class Orbax:
             extra["cold_method"] = drop_caches(files_under(step_dir))
         else:
             read_through(files_under(step_dir))
-        trim()
+        settle()
         with PeakRss() as peak:
             t, out = timed(self.mngr.restore, step, args=self.ocp.args.StandardRestore(abstract))
         extra["peak_extra_bytes"] = peak.extra
@@ -516,13 +521,11 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
     try:
         log.info("[%s] first saves (a fresh job's: fresh memory)", label)
         for system, sut in (("resilient_ckpt", ours), ("orbax", orbax)):
-            # Both from memory the VM has taken back, as a fresh job's is: the
-            # balloon reports pages free for 2 s to the host (environment.md),
-            # and without the wait the second system's first save reused the
-            # pages the first one's clean-up had just freed (4 GB: Orbax 1.8 s
+            # Both from memory the VM has taken back, as a fresh job's is:
+            # without the wait the second system's first save reused the pages
+            # the first one's clean-up had just freed (4 GB: Orbax 1.8 s
             # against our 8.3 s, ours first).
-            trim()
-            time.sleep(3.0)
+            settle()
             times, peak = sut.save(0, state)
             add(system, "save_blocking_first", times["save_blocking"],
                 {"peak_extra_bytes": peak})
