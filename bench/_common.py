@@ -316,13 +316,11 @@ SETTLE_S = 3.0
 
 
 def settle(seconds: float = SETTLE_S) -> None:
-    """`trim`, then a wait long enough for the VM to take back what was freed
-    (docs/environment.md: free page reporting, within 2-5 s), so a timed case
-    faults in memory the host holds whatever ran before it. Without it a case
-    right after a free of gigabytes reused those pages or not by the order of
-    the cases: at 4 GB our warm local restore, run just after the RAM tier's
-    4 GB went, took 10.3-12.2 s and Orbax's 8.6-8.7 s; both settled, 5.1-8.9 s
-    against 10.8-12.5 s (docs/benchmarks.md, Dec 3 evening)."""
+    """`trim`, then a wait, so that a timed case does not start while what the
+    case before left behind is still running: another system's background
+    threads, the kernel's writeback and reclaim. It does not wait for the VM
+    to take freed memory back: 1 GB faulted in 0.64-0.81 s whether 4 GB had
+    been unmapped 0.2 s or 30 s before (docs/benchmarks.md, Dec 3 evening)."""
     trim()
     time.sleep(seconds)
 

@@ -5,8 +5,8 @@ restored, interleaved within each repeat:
 - resilient_ckpt from the RAM tier and from the local tier (warm page cache):
   onto the saved sharding ("same"), and onto a (2, 2) and a (3, 2) mesh;
 - orbax: its resharded restore of the same state from local disk (warm).
-Each timed restore starts after `_common.settle` (3 s for the VM to take back
-what the case before freed), so the order of the cases favours no system.
+Each timed restore starts after `_common.settle` (3 s for what the case
+before left running to finish), so no case runs in the wake of another.
 Peak host memory of each case is measured apart, in a fresh process per case
 (VmHWM minus the resident set just before the restore), so that memory kept by
 allocators from earlier runs hides nothing: the promise "state plus the

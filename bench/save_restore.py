@@ -18,8 +18,8 @@ tenants hits every system alike:
   a cold page cache.
 
 Every timed restore, of either system, and each system's first save start
-after `_common.settle` (3 s for the VM to take back what was freed), so the
-order of the cases does not decide whose memory is fresh.
+after `_common.settle` (3 s for what the case before left running, threads
+and the kernel's writeback, to finish), so no case runs in another's wake.
 
 Peak memory: every save (with its tier writes) and every restore of either
 system is run inside a reset of the process's resident high-water mark
