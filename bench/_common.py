@@ -320,7 +320,7 @@ def settle(seconds: float = SETTLE_S) -> None:
     case before left behind is still running: another system's background
     threads, the kernel's writeback and reclaim. It does not wait for the VM
     to take freed memory back: 1 GB faulted in 0.64-0.81 s whether 4 GB had
-    been unmapped 0.2 s or 30 s before (docs/benchmarks.md, Dec 3 evening)."""
+    been unmapped 0.2 s or 30 s before (docs/benchmarks.md, Dec 3 16:41)."""
     trim()
     time.sleep(seconds)
 
