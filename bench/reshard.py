@@ -88,7 +88,7 @@ def nbytes(state) -> int:
 
 def measured(fn) -> float:
     """Seconds of fn() until its result is ready, the result dropped; it starts
-    settled (_common.settle), so no case reuses the pages the one before freed."""
+    settled (_common.settle), so no case runs in the wake of the one before."""
     settle()
     t0 = time.perf_counter()
     out = fn()

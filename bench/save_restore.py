@@ -521,9 +521,8 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
     try:
         log.info("[%s] first saves (a fresh job's: fresh memory)", label)
         for system, sut in (("resilient_ckpt", ours), ("orbax", orbax)):
-            # Both from memory the VM has taken back, as a fresh job's is:
-            # without the wait the second system's first save reused the pages
-            # the first one's clean-up had just freed (4 GB: Orbax 1.8 s
+            # Both settled: without the wait the second system's first save
+            # ran right after the first one's clean-up (4 GB: Orbax 1.8 s
             # against our 8.3 s, ours first).
             settle()
             times, peak = sut.save(0, state)
