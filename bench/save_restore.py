@@ -15,7 +15,10 @@ tenants hits every system alike:
   from the local tier with a warm and a cold page cache;
 - orbax: orbax.checkpoint.CheckpointManager (async) on the same state: the
   blocking time of `save` (and of its first), save + wait_until_finished, restore with a warm and
-  a cold page cache.
+  a cold page cache. On this CPU backend Orbax's blocking part keeps
+  `np.asarray` views of the device buffers and copies nothing (its
+  replica_slices.transfer_arrays_to_host); ours copies into host memory, as
+  both do on an accelerator.
 
 Every timed restore, of either system, and each system's first save start
 after `_common.settle` (3 s for what the case before left running, threads
