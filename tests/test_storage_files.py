@@ -5,6 +5,7 @@ test_storage_contract.py; here, what depends on files: dead writers' markers
 and temporaries, the order a step is deleted in, and the local tier's
 O_DIRECT writes (what they write, what they leave out of the page cache, and
 the way back to buffered writes)."""
+import concurrent.futures as cf
 import ctypes
 import errno
 import mmap
@@ -161,3 +162,95 @@ def test_a_refused_direct_write_is_written_through_the_cache(tmp_path, monkeypat
     monkeypatch.undo()
     assert s.read("1/chunk") == data.tobytes()
     assert os.listdir(tmp_path / "1") == ["chunk"]  # no temporary left behind
+
+
+# ------------------------------------------------------------ durability of a save's chunks
+
+
+def _count_syncs(monkeypatch):
+    """Counts fsync and syncfs calls while still making them (a spy, not a
+    mock: which call made a file durable cannot be observed otherwise, short
+    of cutting the power)."""
+    calls = {"fsync": 0, "syncfs": 0}
+    real_fsync, real_syncfs = os.fsync, files_mod._syncfs
+
+    def fsync(fd):
+        calls["fsync"] += 1
+        return real_fsync(fd)
+
+    def syncfs(fd):
+        calls["syncfs"] += 1
+        return real_syncfs(fd)
+
+    monkeypatch.setattr(files_mod.os, "fsync", fsync)
+    if real_syncfs is not None:
+        monkeypatch.setattr(files_mod, "_syncfs", syncfs)
+    return calls
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(files_mod._syncfs is None, reason="no syncfs that reports write-back "
+                                                      "errors here (Linux 5.8 on)")
+def test_a_saves_chunks_are_made_durable_by_one_syncfs_at_its_flush(tmp_path, monkeypatch):
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    calls = _count_syncs(monkeypatch)
+    fds = _open_fds()
+    data = [_aligned(1 << 20), _aligned(5000)]  # an O_DIRECT chunk and a buffered one
+    s.begin_write("4")
+    with cf.ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda i: s.put(f"4/c{i}", data[i % 2].data), range(12)))
+    s.put("root-object", b"x")  # outside the step being written: fsynced as ever
+    assert calls == {"fsync": 1, "syncfs": 0}
+    s.flush("4")
+    assert calls == {"fsync": 1, "syncfs": 1}
+    assert s.put_if_absent("4/manifest", b"{}")  # the commit: its file and directory
+    assert calls == {"fsync": 3, "syncfs": 1}
+    s.put("4/late", b"y")  # after the flush: fsynced again
+    assert calls == {"fsync": 4, "syncfs": 1}
+    s.end_write("4")
+    assert _open_fds() == fds  # the step's descriptor was closed
+    assert all(s.read(f"4/c{i}") == data[i % 2].tobytes() for i in range(12))
+    s.flush("4")  # a delete's flush: the directory, as before
+    assert calls == {"fsync": 5, "syncfs": 1}
+
+
+def test_a_failed_save_closes_its_descriptor_and_the_next_puts_are_fsynced(tmp_path,
+                                                                           monkeypatch):
+    s = FileStorage(str(tmp_path), "local")
+    calls = _count_syncs(monkeypatch)
+    fds = _open_fds()
+    s.begin_write("5")
+    s.put("5/c0", b"x")
+    s.end_write("5")  # the save failed before its flush
+    assert _open_fds() == fds
+    before = calls["fsync"]
+    s.put("5/c1", b"x")
+    assert calls["fsync"] == before + 1 and calls["syncfs"] == 0
+
+
+def test_without_syncfs_every_chunk_is_fsynced(tmp_path, monkeypatch):
+    # As on kernels before 5.8, or off Linux: the loader found no syncfs to trust.
+    monkeypatch.setattr(files_mod, "_syncfs", None)
+    s = FileStorage(str(tmp_path), "local")
+    calls = _count_syncs(monkeypatch)
+    s.begin_write("6")
+    for i in range(5):
+        s.put(f"6/c{i}", b"x")
+    assert calls["fsync"] == 5
+    s.flush("6")
+    assert calls["fsync"] == 6  # the directory
+    s.end_write("6")
+
+
+def test_a_tier_without_fsync_neither_fsyncs_nor_syncs_the_file_system(tmp_path, monkeypatch):
+    s = FileStorage(str(tmp_path), "ram", fsync=False)
+    calls = _count_syncs(monkeypatch)
+    s.begin_write("7")
+    s.put("7/c0", b"x")
+    s.flush("7")
+    assert s.put_if_absent("7/manifest", b"{}")
+    s.end_write("7")
+    assert calls == {"fsync": 0, "syncfs": 0}

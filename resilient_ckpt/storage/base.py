@@ -61,7 +61,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: str, data: memoryview) -> None:
-        """Writes an object atomically and durably: whole, or not at all."""
+        """Writes an object atomically and durably: whole, or not at all. A
+        chunk put between `begin_write(d)` and `flush(d)` may become durable
+        only at that flush."""
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -133,7 +135,8 @@ class Storage(abc.ABC):
         """Marks `prefix` as being written by this process (for cleaners)."""
 
     def flush(self, prefix: str) -> None:
-        """Makes the objects put under `prefix` durable (before the commit)."""
+        """Makes the objects put under `prefix` durable (before the commit);
+        raises if any of them may not be."""
 
     def end_write(self, prefix: str) -> None:
         """Drops the mark of `begin_write` (after the commit, or a failure)."""
