@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from resilient_ckpt import commit, layout
-from resilient_ckpt.storage import FileStorage
-from resilient_ckpt.storage import direct as direct_mod, files as files_mod
+from resilient_ckpt.storage import FileStorage, direct as direct_mod, files as files_mod
 
 
 def test_cleanup_removes_dead_leftovers_and_spares_live_and_committed(tmp_path):

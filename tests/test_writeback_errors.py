@@ -21,12 +21,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, \
-    SaveFailedError
-from resilient_ckpt.storage import files as files_mod
-
 from test_disk_full import abstract, assert_exact, free_bytes, host, leftovers
+
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, SaveFailedError
+from resilient_ckpt.storage import files as files_mod
 
 
 def _run(*cmd):
