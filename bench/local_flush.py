@@ -1,0 +1,166 @@
+"""How the local tier makes a step's chunks durable: one syncfs vs an fsync each.
+
+On the unique shards of save_restore.py's state, each round writes one step
+through the local tier's storage (FileStorage, O_DIRECT as configured by
+LocalTier): begin_write, the chunks on 8 threads, flush, the manifest's
+create-only put, end_write. Two ways, interleaved within each repeat:
+
+- resilient_ckpt `write_syncfs`: the default where syncfs reports write-back
+  errors (Linux 5.8 on): no fsync per chunk, one syncfs at the flush;
+- resilient_ckpt `write_fsync_each`: the fallback elsewhere (an fsync per
+  chunk, then one of the directory), as every release before did;
+- limit `write_fsync`: each shard written to its own file and fsynced, on as
+  many threads, then the directory fsynced (save_restore.py's limit).
+
+Orbax has no such setting; its whole local save is timed in save_restore.py.
+Each round writes into a fresh directory and the rounds before are renamed
+aside, not deleted, until the end: this machine's root file system is
+mounted with `discard`, and writes in the 15-30 s after a large deletion run
+2.5-4x slower (docs/environment.md), which would decide the result. Each line
+carries the block device's writes and flushes per round
+(/sys/dev/block/M:m/stat), where it can be read.
+
+    python bench/local_flush.py                       # 256 MB and 1 GB, 3 repeats
+    python bench/local_flush.py --quick               # 64 MB, 2 repeats
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from _common import (
+    bench_parser,
+    emit,
+    emit_summary,
+    make_mesh,
+    parse_options,
+    prepare,
+    settle,
+    size_label,
+)
+
+prepare()
+
+import numpy as np  # noqa: E402
+from save_restore import build_state, unique_shards  # noqa: E402
+
+from resilient_ckpt.storage import FileStorage, files as files_mod  # noqa: E402
+
+
+def device_ops(path: str) -> tuple[int, int] | None:
+    """(writes, flushes) completed so far by the block device under `path`."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            fields = [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None
+    return (fields[4], fields[15]) if len(fields) > 15 else None
+
+
+def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
+    saved = files_mod._syncfs
+    files_mod._syncfs = syncfs  # the module's switch between the two ways
+    try:
+        st = FileStorage(root, "local", direct=True)
+        st.begin_write("1")
+        with cf.ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda i: st.put(f"1/c{i:05d}", memoryview(shards[i].view(np.uint8))),
+                        range(len(shards))))
+        st.flush("1")
+        assert st.put_if_absent("1/manifest.0-of-1.json", b"{}")
+        st.end_write("1")
+    finally:
+        files_mod._syncfs = saved
+
+
+def limit(root: str, shards: list[np.ndarray], threads: int, _syncfs) -> None:
+    os.makedirs(root)
+
+    def put(i: int) -> None:
+        fd = os.open(f"{root}/shard.{i:05d}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(shards[i].reshape(-1).view(np.uint8))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with cf.ThreadPoolExecutor(threads) as ex:
+        list(ex.map(put, range(len(shards))))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:
+    state = build_state(nbytes, make_mesh(4, 2))
+    shards = [np.ascontiguousarray(s).reshape(-1) for s in unique_shards(state)]
+    total = sum(s.nbytes for s in shards)
+    ways = [("resilient_ckpt", "write_syncfs", ours, files_mod._syncfs),
+            ("resilient_ckpt", "write_fsync_each", ours, None),
+            ("limit", "write_fsync", limit, None)]
+    if files_mod._syncfs is None:
+        sys.stderr.write("no syncfs that reports write-back errors here: only the fallback\n")
+        ways = ways[1:]
+    runs: dict[str, list[float]] = {case: [] for _, case, _, _ in ways}
+    ops: dict[str, list] = {case: [] for _, case, _, _ in ways}
+    aside = os.path.join(workdir, "aside")  # removed by main, after every size
+    os.makedirs(aside, exist_ok=True)
+    for r in range(repeats):
+        for _system, case, fn, syncfs in ways[r % len(ways):] + ways[:r % len(ways)]:
+            root = os.path.join(workdir, "step")  # fresh: the last round's is aside
+            if os.path.exists(root):
+                os.rename(root, os.path.join(aside, f"{time.time_ns()}"))
+            os.sync()
+            settle()
+            before = device_ops(workdir)
+            t0 = time.perf_counter()
+            fn(root, shards, threads, syncfs)
+            runs[case].append(round(time.perf_counter() - t0, 4))
+            after = device_ops(workdir)
+            ops[case].append(None if before is None or after is None else
+                             [after[0] - before[0], after[1] - before[1]])
+    label = size_label(nbytes)
+    for system, case, _, _ in ways:
+        emit({"bench": "local_flush", "system": system, "case": case, "bytes": total,
+              "size": label, "chunks": len(shards), "threads": threads,
+              "device_writes_flushes": ops[case], "runs_s": runs[case],
+              "median_s": round(statistics.median(runs[case]), 4)})
+    med = {case: statistics.median(v) for case, v in runs.items()}
+    key = label.lower()
+    out = {f"write_fsync_each_vs_limit_{key}":
+           round(med["write_fsync"] / med["write_fsync_each"], 2)}
+    if "write_syncfs" in med:
+        out[f"syncfs_speedup_over_fsync_each_{key}"] = round(
+            med["write_fsync_each"] / med["write_syncfs"], 2)
+        out[f"write_syncfs_vs_limit_{key}"] = round(med["write_fsync"] / med["write_syncfs"], 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser(__doc__, sizes="256MB,1GB", quick_sizes="64MB")
+    p.add_argument("--dir", default=None,
+                   help="a directory on the disk to measure (default: a new one in "
+                        "the current directory)")
+    p.add_argument("--threads", type=int, default=8)
+    a = parse_options(p, argv)
+    summary: dict = {}
+    workdir = tempfile.mkdtemp(prefix="rc-local-flush-", dir=a.dir or os.getcwd())
+    try:
+        for n in a.sizes:
+            summary.update(run_size(n, a.repeats, workdir, a.threads))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    emit_summary("local_flush", summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
