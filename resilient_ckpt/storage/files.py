@@ -6,8 +6,8 @@ are durable before a manifest is committed after them. Between
 `begin_write(d)` and `flush(d)` the chunks put under `d` are not fsynced one
 by one: `flush` makes them durable with one `syncfs` of their file system,
 through a descriptor of `d` opened at `begin_write`, so that a write-back
-error anywhere in between fails the flush (Linux 5.8 on; elsewhere every put
-is fsynced, as outside a save). The commit
+error anywhere in between fails the flush (Linux 5.8 on, local block-device
+file systems; elsewhere every put is fsynced, as outside a save). The commit
 itself uses `put_if_absent`: the temporary is hard-linked to the final name,
 which fails if the name exists, so two writers can never both commit a step.
 With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
@@ -70,6 +70,25 @@ def _load_syncfs():
 
 
 _syncfs = _load_syncfs()
+# Local block-device file systems, whose syncfs writes every dirty page and
+# journal entry to the device and flushes its cache. Elsewhere (NFS, FUSE,
+# overlay, ...) what syncfs does for durability varies, so chunks are fsynced.
+_SYNCFS_TYPES = frozenset({"ext4", "ext3", "xfs", "btrfs", "f2fs"})
+
+
+def _fs_type(fd: int) -> str | None:
+    """The type of the file system `fd` lies on, from /proc/self/mountinfo."""
+    st = os.fstat(fd)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 3 and fields[2] == dev and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except OSError:
+        pass
+    return None
 
 
 class _Walker:
@@ -217,6 +236,7 @@ class FileStorage(_Walker, Storage):
         self._batch_fds: dict[str, int] = {}
         self._batched: tuple[str, ...] = ()
         self._batch_lock = threading.Lock()
+        self._batch_fs: bool | None = None  # whether syncfs serves here; at first save
 
     def _sync_fd(self, fd: int) -> None:
         if self._fsync:
@@ -227,6 +247,10 @@ class FileStorage(_Walker, Storage):
 
     def _start_batch(self, prefix: str, d: int) -> None:
         if not (self._fsync and _syncfs):
+            return
+        if self._batch_fs is None:
+            self._batch_fs = _fs_type(d) in _SYNCFS_TYPES
+        if not self._batch_fs:
             return
         with self._batch_lock:
             if prefix not in self._batch_fds:  # the first descriptor sees the most errors
