@@ -49,7 +49,7 @@ prepare()
 import numpy as np  # noqa: E402
 from save_restore import build_state, unique_shards  # noqa: E402
 
-from resilient_ckpt.storage import FileStorage, files as files_mod  # noqa: E402
+from resilient_ckpt.storage import FileStorage, durable  # noqa: E402
 
 
 def device_ops(path: str) -> tuple[int, int] | None:
@@ -64,8 +64,8 @@ def device_ops(path: str) -> tuple[int, int] | None:
 
 
 def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
-    saved = files_mod._syncfs
-    files_mod._syncfs = syncfs  # the module's switch between the two ways
+    saved = durable.syncfs
+    durable.syncfs = syncfs  # the module's switch between the two ways
     try:
         st = FileStorage(root, "local", direct=True)
         st.begin_write("1")
@@ -76,7 +76,7 @@ def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
         assert st.put_if_absent("1/manifest.0-of-1.json", b"{}")
         st.end_write("1")
     finally:
-        files_mod._syncfs = saved
+        durable.syncfs = saved
 
 
 def limit(root: str, shards: list[np.ndarray], threads: int, _syncfs) -> None:
@@ -103,10 +103,10 @@ def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:
     state = build_state(nbytes, make_mesh(4, 2))
     shards = [np.ascontiguousarray(s).reshape(-1) for s in unique_shards(state)]
     total = sum(s.nbytes for s in shards)
-    ways = [("resilient_ckpt", "write_syncfs", ours, files_mod._syncfs),
+    ways = [("resilient_ckpt", "write_syncfs", ours, durable.syncfs),
             ("resilient_ckpt", "write_fsync_each", ours, None),
             ("limit", "write_fsync", limit, None)]
-    if files_mod._syncfs is None:
+    if durable.syncfs is None:
         sys.stderr.write("no syncfs that reports write-back errors here: only the fallback\n")
         ways = ways[1:]
     runs: dict[str, list[float]] = {case: [] for _, case, _, _ in ways}

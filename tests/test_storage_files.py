@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from resilient_ckpt import commit, layout
-from resilient_ckpt.storage import FileStorage, direct as direct_mod, files as files_mod
+from resilient_ckpt.storage import FileStorage, direct as direct_mod, durable, files as files_mod
 
 
 def test_cleanup_removes_dead_leftovers_and_spares_live_and_committed(tmp_path):
@@ -172,7 +172,7 @@ def _count_syncs(monkeypatch):
     mock: which call made a file durable cannot be observed otherwise, short
     of cutting the power)."""
     calls = {"fsync": 0, "syncfs": 0}
-    real_fsync, real_syncfs = os.fsync, files_mod._syncfs
+    real_fsync, real_syncfs = os.fsync, durable.syncfs
 
     def fsync(fd):
         calls["fsync"] += 1
@@ -184,7 +184,7 @@ def _count_syncs(monkeypatch):
 
     monkeypatch.setattr(files_mod.os, "fsync", fsync)
     if real_syncfs is not None:
-        monkeypatch.setattr(files_mod, "_syncfs", syncfs)
+        monkeypatch.setattr(durable, "syncfs", syncfs)
     return calls
 
 
@@ -195,15 +195,15 @@ def _open_fds() -> int:
 def _fs_type(path) -> str | None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return files_mod._fs_type(fd)
+        return durable.fs_type(fd)
     finally:
         os.close(fd)
 
 
-@pytest.mark.skipif(files_mod._syncfs is None, reason="no syncfs that reports write-back "
+@pytest.mark.skipif(durable.syncfs is None, reason="no syncfs that reports write-back "
                                                       "errors here (Linux 5.8 on)")
 def test_a_saves_chunks_are_made_durable_by_one_syncfs_at_its_flush(tmp_path, monkeypatch):
-    if _fs_type(tmp_path) not in files_mod._SYNCFS_TYPES:
+    if _fs_type(tmp_path) not in durable.SYNCFS_TYPES:
         pytest.skip(f"{tmp_path} is on {_fs_type(tmp_path)}, where chunks are fsynced")
     s = FileStorage(str(tmp_path), "local", direct=True)
     calls = _count_syncs(monkeypatch)
@@ -227,6 +227,28 @@ def test_a_saves_chunks_are_made_durable_by_one_syncfs_at_its_flush(tmp_path, mo
     assert calls == {"fsync": 5, "syncfs": 1}
 
 
+@pytest.mark.skipif(durable.syncfs is None, reason="no syncfs that reports write-back "
+                                                    "errors here (Linux 5.8 on)")
+def test_a_large_save_is_synced_every_few_mib_while_it_writes(tmp_path, monkeypatch):
+    if _fs_type(tmp_path) not in durable.SYNCFS_TYPES:
+        pytest.skip(f"{tmp_path} is on {_fs_type(tmp_path)}, where chunks are fsynced")
+    monkeypatch.setattr(durable, "SYNC_EVERY", 4 << 20)
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    calls = _count_syncs(monkeypatch)
+    data = _aligned(1 << 20)
+    s.begin_write("4")
+    with cf.ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda i: s.put(f"4/c{i}", data.data), range(24)))
+    during = calls["syncfs"]
+    # 24 MiB in steps of 4 MiB: up to 6 syncs, fewer when one was still running
+    # as the next 4 MiB arrived (the others do not wait for it)
+    assert 1 <= during <= 6 and calls["fsync"] == 0, calls
+    s.flush("4")
+    assert calls == {"fsync": 0, "syncfs": during + 1}
+    s.end_write("4")
+    assert all(s.read(f"4/c{i}") == data.tobytes() for i in range(24))
+
+
 def test_a_failed_save_closes_its_descriptor_and_the_next_puts_are_fsynced(tmp_path,
                                                                            monkeypatch):
     s = FileStorage(str(tmp_path), "local")
@@ -243,7 +265,7 @@ def test_a_failed_save_closes_its_descriptor_and_the_next_puts_are_fsynced(tmp_p
 
 def test_without_syncfs_every_chunk_is_fsynced(tmp_path, monkeypatch):
     # As on kernels before 5.8, or off Linux: the loader found no syncfs to trust.
-    monkeypatch.setattr(files_mod, "_syncfs", None)
+    monkeypatch.setattr(durable, "syncfs", None)
     s = FileStorage(str(tmp_path), "local")
     calls = _count_syncs(monkeypatch)
     s.begin_write("6")

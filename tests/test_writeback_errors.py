@@ -6,9 +6,10 @@ committed; the older step still restores bit-exact.
 The disk is an ext4 file system on a loop device whose backing file lies,
 sparse, on a small tmpfs. Once the tmpfs is full the loop device's writes
 fail (ENOSPC), so pages that ext4 had taken fail at write-back. Chunks are
-written through the page cache (`direct_io=False`), so the error can only
-show at the flush. With syncfs (Linux 5.8 on) the flush is one syncfs of the
-file system; without it every chunk's fsync; both cases run. Needs root (to
+written through the page cache (`direct_io=False`), so the error shows only
+when they are synced: by syncfs (storage/durable.py) at the flush, or during
+the writes once enough bytes wait, or, without syncfs, at each chunk's fsync.
+All three run. Needs root (to
 mount and attach a loop device); skipped elsewhere.
 """
 import os
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from test_disk_full import abstract, assert_exact, free_bytes, host, leftovers
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, SaveFailedError
-from resilient_ckpt.storage import files as files_mod
+from resilient_ckpt.storage import durable
 
 
 def _run(*cmd):
@@ -73,13 +74,16 @@ def make_state(mesh, seed):
             "step": seed}
 
 
-@pytest.mark.parametrize("syncfs", ["syncfs", "fsync per chunk"])
-def test_a_write_back_error_fails_the_save_and_commits_nothing(failing_disk, syncfs,
+@pytest.mark.parametrize("how", ["syncfs at the flush", "syncfs during the writes",
+                                 "fsync per chunk"])
+def test_a_write_back_error_fails_the_save_and_commits_nothing(failing_disk, how,
                                                                monkeypatch):
-    if syncfs == "syncfs" and files_mod._syncfs is None:
+    if how != "fsync per chunk" and durable.syncfs is None:
         pytest.skip("no syncfs that reports write-back errors here (Linux 5.8 on)")
-    if syncfs != "syncfs":
-        monkeypatch.setattr(files_mod, "_syncfs", None)
+    if how == "fsync per chunk":
+        monkeypatch.setattr(durable, "syncfs", None)
+    if how == "syncfs during the writes":
+        monkeypatch.setattr(durable, "SYNC_EVERY", 1 << 20)
     disk, under = failing_disk
     ckpt = os.path.join(disk, "ckpt")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
@@ -89,10 +93,10 @@ def test_a_write_back_error_fails_the_save_and_commits_nothing(failing_disk, syn
         want1 = host(states[1])
         m.save(1, args=ocp.args.StandardSave(states[1]))
         m.wait_until_finished()
-        # Leave the backing tmpfs 1 MiB: step 2's 4 MiB reach ext4's page cache
-        # (ext4 has room) and fail on their way to the device.
+        # Leave the backing tmpfs 256 KiB: step 2's 4 MiB reach ext4's page
+        # cache (ext4 has room) and fail on their way to the device.
         with open(os.path.join(under, "filler"), "wb") as f:
-            f.write(b"\0" * (free_bytes(under) - (1 << 20)))
+            f.write(b"\0" * (free_bytes(under) - (256 << 10)))
 
         with pytest.raises(SaveFailedError) as ei:
             m.save(2, args=ocp.args.StandardSave(states[2]))
@@ -101,8 +105,13 @@ def test_a_write_back_error_fails_the_save_and_commits_nothing(failing_disk, syn
         assert [(e.step, e.tier) for e in (err.failures or (err,))] == [(2, "local")]
         cause = err.__cause__
         assert isinstance(cause, OSError) and cause.errno is not None, cause
-        where = "flush (syncfs) of" if syncfs == "syncfs" else "write of"
-        assert where in str(cause) and f"{ckpt}/2" in str(cause), cause
+        assert f"{ckpt}/2" in str(cause), cause
+        if how == "syncfs at the flush":
+            assert "flush of" in str(cause) and "syncfs" in str(cause), cause
+        elif how == "syncfs during the writes":  # at a chunk's put, before the flush
+            assert "write of" in str(cause) and "syncfs" in str(cause), cause
+        else:
+            assert "write of" in str(cause), cause
         m.wait_until_finished()  # reported once
         assert m.all_steps() == [1]
         assert leftovers(ckpt, 2) == []

@@ -4,9 +4,8 @@ Every object is written to a temporary name carrying the writer's identity,
 fsynced, and renamed into place; `flush` fsyncs the directory so the renames
 are durable before a manifest is committed after them. Between
 `begin_write(d)` and `flush(d)` the chunks put under `d` are not fsynced one
-by one: `flush` makes them durable with one `syncfs` of their file system,
-through a descriptor of `d` opened at `begin_write`, so that a write-back
-error anywhere in between fails the flush (Linux 5.8 on, local block-device
+by one but synced together with syncfs, during the puts and at `flush`
+(durable.py: where syncfs reports write-back errors, on local block-device
 file systems; elsewhere every put is fsynced, as outside a save). The commit
 itself uses `put_if_absent`: the temporary is hard-linked to the final name,
 which fails if the name exists, so two writers can never both commit a step.
@@ -28,20 +27,17 @@ may be a link the user chose: it is resolved once, when the storage opens.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import mmap
 import os
-import re
 import stat
-import sys
 import threading
 
 import numpy as np
 
 from ..errors import StorageError
 from ..layout import Writer
-from . import direct as odirect
+from . import direct as odirect, durable
 from .base import Storage, check_size
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -51,44 +47,6 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # something other than a directory on the way, or a link on the way (a link
 # opened as a directory with O_NOFOLLOW fails with ENOTDIR, as a file ELOOP).
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
-
-
-def _load_syncfs():
-    """libc's syncfs where it reports write-back errors (Linux 5.8 on), else None.
-
-    Before 5.8 syncfs returned 0 even when pages failed to reach the disk, so
-    a save there keeps fsyncing every chunk."""
-    m = re.match(r"(\d+)\.(\d+)", os.uname().release) if sys.platform == "linux" else None
-    if m is None or (int(m[1]), int(m[2])) < (5, 8):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn
-
-
-_syncfs = _load_syncfs()
-# Local block-device file systems, whose syncfs writes every dirty page and
-# journal entry to the device and flushes its cache. Elsewhere (NFS, FUSE,
-# overlay, ...) what syncfs does for durability varies, so chunks are fsynced.
-_SYNCFS_TYPES = frozenset({"ext4", "ext3", "xfs", "btrfs", "f2fs"})
-
-
-def _fs_type(fd: int) -> str | None:
-    """The type of the file system `fd` lies on, from /proc/self/mountinfo."""
-    st = os.fstat(fd)
-    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 3 and fields[2] == dev and " - " in line:
-                    return line.split(" - ", 1)[1].split()[0]
-    except OSError:
-        pass
-    return None
 
 
 class _Walker:
@@ -230,11 +188,11 @@ class FileStorage(_Walker, Storage):
         if create:
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
-        # Saves in progress whose chunks one syncfs makes durable at their flush:
-        # prefix -> a descriptor of it, opened at begin_write. `_batched` is a
-        # copy of the keys, replaced whole, for puts to test without the lock.
-        self._batch_fds: dict[str, int] = {}
-        self._batched: tuple[str, ...] = ()
+        # Saves in progress whose chunks are synced together (durable.py), by
+        # step directory; `_batched` is a copy, replaced whole, that puts read
+        # without the lock.
+        self._batches: dict[str, durable.Batch] = {}
+        self._batched: tuple[tuple[str, durable.Batch], ...] = ()
         self._batch_lock = threading.Lock()
         self._batch_fs: bool | None = None  # whether syncfs serves here; at first save
 
@@ -242,27 +200,27 @@ class FileStorage(_Walker, Storage):
         if self._fsync:
             os.fsync(fd)
 
-    def _in_batch(self, key: str) -> bool:
-        return any(key.startswith(p + "/") for p in self._batched)
+    def _batch_of(self, key: str) -> durable.Batch | None:
+        return next((b for p, b in self._batched if key.startswith(p + "/")), None)
 
     def _start_batch(self, prefix: str, d: int) -> None:
-        if not (self._fsync and _syncfs):
+        if not self._fsync:
             return
         if self._batch_fs is None:
-            self._batch_fs = _fs_type(d) in _SYNCFS_TYPES
+            self._batch_fs = durable.usable(d)
         if not self._batch_fs:
             return
         with self._batch_lock:
-            if prefix not in self._batch_fds:  # the first descriptor sees the most errors
-                self._batch_fds[prefix] = os.dup(d)
-                self._batched = tuple(self._batch_fds)
+            if prefix not in self._batches:  # the first descriptor sees the most errors
+                self._batches[prefix] = durable.Batch(os.dup(d))
+                self._batched = tuple(self._batches.items())
 
-    def _end_batch(self, prefix: str) -> int | None:
-        """The batch's descriptor (the caller closes it), or None if none."""
+    def _end_batch(self, prefix: str) -> durable.Batch | None:
+        """The save's batch, no longer used by puts (the caller closes it)."""
         with self._batch_lock:
-            fd = self._batch_fds.pop(prefix, None)
-            self._batched = tuple(self._batch_fds)
-        return fd
+            batch = self._batches.pop(prefix, None)
+            self._batched = tuple(self._batches.items())
+        return batch
 
     # ------------------------------------------------------------ writes
 
@@ -303,12 +261,15 @@ class FileStorage(_Walker, Storage):
     def put(self, key: str, data) -> None:
         dirs, name = self._split(key)
         with self._failing("write of", key), self._dir(dirs, create=True) as d:
-            tmp = self._write_tmp(d, name, data, sync=not self._in_batch(key))
+            batch = self._batch_of(key)
+            tmp = self._write_tmp(d, name, data, sync=batch is None)
             try:
                 os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
             except BaseException:
                 _unlink_quietly(d, tmp)
                 raise
+            if batch is not None:
+                batch.wrote(memoryview(data).nbytes)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         dirs, name = self._split(key)
@@ -471,14 +432,14 @@ class FileStorage(_Walker, Storage):
     def flush(self, prefix: str) -> None:
         if not self._fsync:
             return
-        fd = self._end_batch(prefix)
-        if fd is not None:  # a save's chunks: one syncfs, and they are all durable
+        batch = self._end_batch(prefix)
+        if batch is not None:  # a save's chunks: one syncfs, and they are all durable
             try:
-                if _syncfs(fd) != 0:
-                    n = ctypes.get_errno()
-                    raise self._err("flush (syncfs) of", prefix, OSError(n, os.strerror(n)))
+                batch.sync()
+            except OSError as e:
+                raise self._err("flush of", prefix, e) from e
             finally:
-                os.close(fd)
+                batch.close()
             return
         try:
             with self._dir(self._parts(prefix)) as d:
@@ -489,9 +450,9 @@ class FileStorage(_Walker, Storage):
             raise self._err("flush of", prefix, e) from e
 
     def end_write(self, prefix: str) -> None:
-        fd = self._end_batch(prefix)  # a save that failed before its flush
-        if fd is not None:
-            os.close(fd)
+        batch = self._end_batch(prefix)  # a save that failed before its flush
+        if batch is not None:
+            batch.close()
         try:
             with self._dir(self._parts(prefix)) as d:
                 os.unlink(self._writer.marker_name(), dir_fd=d)
