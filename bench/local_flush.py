@@ -47,7 +47,7 @@ from _common import (
 prepare()
 
 import numpy as np  # noqa: E402
-from save_restore import build_state, unique_shards  # noqa: E402
+from save_restore import build_state, unique_shards, write_files  # noqa: E402
 
 from resilient_ckpt.storage import FileStorage, durable  # noqa: E402
 
@@ -81,22 +81,7 @@ def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
 
 def limit(root: str, shards: list[np.ndarray], threads: int, _syncfs) -> None:
     os.makedirs(root)
-
-    def put(i: int) -> None:
-        fd = os.open(f"{root}/shard.{i:05d}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(shards[i].reshape(-1).view(np.uint8))
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with cf.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(put, range(len(shards))))
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    os.fsync(fd)
-    os.close(fd)
+    write_files(root, shards, threads)
 
 
 def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:

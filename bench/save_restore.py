@@ -220,6 +220,30 @@ def tree_bytes(state) -> int:
 
 # ---------------------------------------------------------------- the systems
 
+def write_files(d: str, shards: list[np.ndarray], threads: int) -> list[str]:
+    """One file per unique shard in directory `d`, buffered write + fsync each,
+    in a pool of `threads` (as wide as resilient_ckpt's I/O pool); then the
+    directory is fsynced. Returns the paths."""
+    paths = [os.path.join(d, f"shard.{i:05d}") for i in range(len(shards))]
+
+    def put(i: int) -> None:
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(shards[i].reshape(-1).view(np.uint8))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with cf.ThreadPoolExecutor(threads) as ex:
+        list(ex.map(put, range(len(paths))))
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(fd)
+    os.close(fd)
+    return paths
+
+
 class Limit:
     """The physical references on the bytes of the state."""
 
@@ -251,28 +275,11 @@ class Limit:
         return touch, copy
 
     def write(self, shards: list[np.ndarray]) -> tuple[float, list[str]]:
-        """One file per unique shard, buffered write + fsync each, in a thread pool
-        as wide as resilient_ckpt's I/O pool; then the directory is fsynced."""
+        """`write_files` into a directory emptied first (its time only)."""
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir)
-        paths = [os.path.join(self.dir, f"shard.{i:05d}") for i in range(len(shards))]
-
-        def put(i: int) -> None:
-            fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                view = memoryview(shards[i].reshape(-1).view(np.uint8))
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
         t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(self.write_threads) as ex:
-            list(ex.map(put, range(len(paths))))
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        os.fsync(fd)
-        os.close(fd)
+        paths = write_files(self.dir, shards, self.write_threads)
         return time.perf_counter() - t0, paths
 
     def reads(self, paths: list[str], buf: np.ndarray) -> dict[str, float]:
