@@ -23,6 +23,9 @@ tenants hits every system alike:
 Every timed restore, of either system, and each system's first save start
 after `_common.settle` (3 s for what the case before left running, threads
 and the kernel's writeback, to finish), so no case runs in another's wake.
+The limit's write and the local tier's write alone follow no large delete of
+the bench's own: their directories are renamed aside and deleted at the end
+(`set_aside`). The managers' own deletes (retention, `drop`) stay as they are.
 
 Peak memory: every save (with its tier writes) and every restore of either
 system is run inside a reset of the process's resident high-water mark
@@ -249,6 +252,7 @@ class Limit:
 
     def __init__(self, workdir: str, write_threads: int):
         self.dir = os.path.join(workdir, "limit")
+        self.aside = os.path.join(workdir, "aside")  # see set_aside
         self.write_threads = write_threads
         self.cold_method = None
 
@@ -275,8 +279,8 @@ class Limit:
         return touch, copy
 
     def write(self, shards: list[np.ndarray]) -> tuple[float, list[str]]:
-        """`write_files` into a directory emptied first (its time only)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """`write_files` into a fresh directory (its time only)."""
+        set_aside(self.dir, self.aside)
         os.makedirs(self.dir)
         t0 = time.perf_counter()
         paths = write_files(self.dir, shards, self.write_threads)
@@ -309,7 +313,17 @@ class Limit:
         return out
 
     def clean(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        set_aside(self.dir, self.aside)
+
+
+def set_aside(d: str, aside: str) -> None:
+    """Moves directory `d` (if there) into `aside`, which run_size deletes after
+    the last repeat: on a file system mounted with `discard` (this machine's
+    root), writes in the 15-30 s after a large deletion run 2.5-4x slower
+    (docs/environment.md), so a write timed after a delete would time that."""
+    if os.path.exists(d):
+        os.makedirs(aside, exist_ok=True)
+        os.rename(d, os.path.join(aside, f"{os.path.basename(d)}.{time.time_ns()}"))
 
 
 def tier_seconds(tw, name: str, step: int) -> float:
@@ -408,6 +422,7 @@ class Ours:
         """The local tier's write time when it is the manager's only tier."""
         import orbax.checkpoint as ocp
         rc, d = self.rc, self.dir + "-local-alone"
+        aside = os.path.join(os.path.dirname(self.dir), "aside")
         mngr = rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(
             tiers=[rc.LocalTier(every=1, keep=1)]))
         try:
@@ -416,7 +431,7 @@ class Ours:
             return tier_seconds(mngr.save_records[-1].tiers["local"], "local (alone)", step)
         finally:
             mngr.close()
-            shutil.rmtree(d, ignore_errors=True)
+            set_aside(d, aside)
             trim()
 
     def lose_ram_copy(self, step: int) -> None:
@@ -570,8 +585,9 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
             if r == repeats - 1:  # last: the bench's writer is reopened (a fresh pool) after it
                 add("resilient_ckpt", "save_blocking_first_after_restore",
                     ours.first_save_after_restore(step, abstract))
-            ours.drop()
+            # before drop(): a timed write must not follow a large delete (set_aside)
             add("resilient_ckpt", "save_tier_local_alone", ours.save_local_alone(step, state))
+            ours.drop()
             log.info("[%s] repeat %d: resilient_ckpt done", label, r)
             # orbax
             times, peak = orbax.save(step, state)
