@@ -1,4 +1,4 @@
-"""How the local tier makes a step's chunks durable: one syncfs vs an fsync each.
+"""How the local tier makes a step's chunks durable: synced together vs an fsync each.
 
 On the unique shards of save_restore.py's state, each round writes one step
 through the local tier's storage (FileStorage, O_DIRECT as configured by
@@ -6,7 +6,8 @@ LocalTier): begin_write, the chunks on 8 threads, flush, the manifest's
 create-only put, end_write. Two ways, interleaved within each repeat:
 
 - resilient_ckpt `write_syncfs`: the default where syncfs reports write-back
-  errors (Linux 5.8 on): no fsync per chunk, one syncfs at the flush;
+  errors (Linux 5.8 on, storage/durable.py): no fsync per chunk, a syncfs
+  every `durable.SYNC_EVERY` bytes written and one at the flush;
 - resilient_ckpt `write_fsync_each`: the fallback elsewhere (an fsync per
   chunk, then one of the directory), as every release before did;
 - limit `write_fsync`: each shard written to its own file and fsynced, on as
@@ -47,7 +48,7 @@ from _common import (
 prepare()
 
 import numpy as np  # noqa: E402
-from save_restore import build_state, unique_shards, write_files  # noqa: E402
+from save_restore import build_state, set_aside, unique_shards, write_files  # noqa: E402
 
 from resilient_ckpt.storage import FileStorage, durable  # noqa: E402
 
@@ -96,13 +97,10 @@ def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:
         ways = ways[1:]
     runs: dict[str, list[float]] = {case: [] for _, case, _, _ in ways}
     ops: dict[str, list] = {case: [] for _, case, _, _ in ways}
-    aside = os.path.join(workdir, "aside")  # removed by main, after every size
-    os.makedirs(aside, exist_ok=True)
     for r in range(repeats):
         for _system, case, fn, syncfs in ways[r % len(ways):] + ways[:r % len(ways)]:
-            root = os.path.join(workdir, "step")  # fresh: the last round's is aside
-            if os.path.exists(root):
-                os.rename(root, os.path.join(aside, f"{time.time_ns()}"))
+            root = os.path.join(workdir, "step")  # fresh: main deletes the rounds at the end
+            set_aside(root)
             os.sync()
             settle()
             before = device_ops(workdir)

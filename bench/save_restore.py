@@ -252,7 +252,6 @@ class Limit:
 
     def __init__(self, workdir: str, write_threads: int):
         self.dir = os.path.join(workdir, "limit")
-        self.aside = os.path.join(workdir, "aside")  # see set_aside
         self.write_threads = write_threads
         self.cold_method = None
 
@@ -280,7 +279,7 @@ class Limit:
 
     def write(self, shards: list[np.ndarray]) -> tuple[float, list[str]]:
         """`write_files` into a fresh directory (its time only)."""
-        set_aside(self.dir, self.aside)
+        set_aside(self.dir)
         os.makedirs(self.dir)
         t0 = time.perf_counter()
         paths = write_files(self.dir, shards, self.write_threads)
@@ -313,15 +312,17 @@ class Limit:
         return out
 
     def clean(self) -> None:
-        set_aside(self.dir, self.aside)
+        set_aside(self.dir)
 
 
-def set_aside(d: str, aside: str) -> None:
-    """Moves directory `d` (if there) into `aside`, which run_size deletes after
-    the last repeat: on a file system mounted with `discard` (this machine's
-    root), writes in the 15-30 s after a large deletion run 2.5-4x slower
-    (docs/environment.md), so a write timed after a delete would time that."""
+def set_aside(d: str) -> None:
+    """Moves directory `d` (if there) into the directory "aside" beside it,
+    removed with the bench's work directory after the last repeat: on a file
+    system mounted with `discard` (this machine's root), writes in the 15-30 s
+    after a large deletion run 2.5-4x slower (docs/environment.md), so a write
+    timed after a delete would time that."""
     if os.path.exists(d):
+        aside = os.path.join(os.path.dirname(d), "aside")
         os.makedirs(aside, exist_ok=True)
         os.rename(d, os.path.join(aside, f"{os.path.basename(d)}.{time.time_ns()}"))
 
@@ -422,7 +423,6 @@ class Ours:
         """The local tier's write time when it is the manager's only tier."""
         import orbax.checkpoint as ocp
         rc, d = self.rc, self.dir + "-local-alone"
-        aside = os.path.join(os.path.dirname(self.dir), "aside")
         mngr = rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(
             tiers=[rc.LocalTier(every=1, keep=1)]))
         try:
@@ -431,7 +431,7 @@ class Ours:
             return tier_seconds(mngr.save_records[-1].tiers["local"], "local (alone)", step)
         finally:
             mngr.close()
-            set_aside(d, aside)
+            set_aside(d)
             trim()
 
     def lose_ram_copy(self, step: int) -> None:

@@ -9,8 +9,8 @@ fail (ENOSPC), so pages that ext4 had taken fail at write-back. Chunks are
 written through the page cache (`direct_io=False`), so the error shows only
 when they are synced: by syncfs (storage/durable.py) at the flush, or during
 the writes once enough bytes wait, or, without syncfs, at each chunk's fsync.
-All three run. Needs root (to
-mount and attach a loop device); skipped elsewhere.
+All three run. Needs root (to mount and attach a loop device); skipped
+elsewhere.
 """
 import os
 import subprocess

@@ -189,10 +189,8 @@ class FileStorage(_Walker, Storage):
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
         # Saves in progress whose chunks are synced together (durable.py), by
-        # step directory; `_batched` is a copy, replaced whole, that puts read
-        # without the lock.
+        # step directory.
         self._batches: dict[str, durable.Batch] = {}
-        self._batched: tuple[tuple[str, durable.Batch], ...] = ()
         self._batch_lock = threading.Lock()
         self._batch_fs: bool | None = None  # whether syncfs serves here; at first save
 
@@ -201,7 +199,9 @@ class FileStorage(_Walker, Storage):
             os.fsync(fd)
 
     def _batch_of(self, key: str) -> durable.Batch | None:
-        return next((b for p, b in self._batched if key.startswith(p + "/")), None)
+        with self._batch_lock:
+            return next((b for p, b in self._batches.items() if key.startswith(p + "/")),
+                        None)
 
     def _start_batch(self, prefix: str, d: int) -> None:
         if not self._fsync:
@@ -213,20 +213,17 @@ class FileStorage(_Walker, Storage):
         with self._batch_lock:
             if prefix not in self._batches:  # the first descriptor sees the most errors
                 self._batches[prefix] = durable.Batch(os.dup(d))
-                self._batched = tuple(self._batches.items())
 
     def _end_batch(self, prefix: str) -> durable.Batch | None:
         """The save's batch, no longer used by puts (the caller closes it)."""
         with self._batch_lock:
-            batch = self._batches.pop(prefix, None)
-            self._batched = tuple(self._batches.items())
-        return batch
+            return self._batches.pop(prefix, None)
 
     # ------------------------------------------------------------ writes
 
     def _write_tmp(self, d: int, name: str, data, sync: bool = True) -> str:
         """A temporary beside `name` in directory `d`, written (and fsynced
-        when `sync`: a batch's chunks are synced at its flush)."""
+        when `sync`; a batch's chunks are synced by their batch instead)."""
         tmp = self._writer.tmp_name(name)
         view = memoryview(data).cast("B")
         fd, direct = self._create(d, tmp, self._direct and odirect.qualifies(view))
@@ -433,7 +430,7 @@ class FileStorage(_Walker, Storage):
         if not self._fsync:
             return
         batch = self._end_batch(prefix)
-        if batch is not None:  # a save's chunks: one syncfs, and they are all durable
+        if batch is not None:  # a save's chunks: the batch's last syncfs
             try:
                 batch.sync()
             except OSError as e:
