@@ -50,6 +50,7 @@ prepare()
 import numpy as np  # noqa: E402
 from save_restore import build_state, set_aside, unique_shards, write_files  # noqa: E402
 
+from resilient_ckpt import layout  # noqa: E402
 from resilient_ckpt.storage import FileStorage, durable  # noqa: E402
 
 
@@ -71,7 +72,9 @@ def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
         st = FileStorage(root, "local", direct=True)
         st.begin_write("1")
         with cf.ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda i: st.put(f"1/c{i:05d}", memoryview(shards[i].view(np.uint8))),
+            # Named as a save's chunks are (a save id, then item, leaf, offsets).
+            list(ex.map(lambda i: st.put(f"1/0123abcd.{layout.chunk_key(0, i, ())}",
+                                         memoryview(shards[i].view(np.uint8))),
                         range(len(shards))))
         st.flush("1")
         assert st.put_if_absent("1/manifest.0-of-1.json", b"{}")

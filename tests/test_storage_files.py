@@ -301,3 +301,103 @@ def test_a_tier_on_a_file_system_off_the_list_fsyncs_every_chunk(monkeypatch):
         s.flush("8")
         s.end_write("8")
         assert calls == {"fsync": 5, "syncfs": 0}
+
+
+# ------------------------------------------------------------ a save's chunks written in place
+
+_CHUNK = "0123abcd.c0.1.{}"  # a chunk's name: it carries its save's id
+
+
+def _batched(path) -> None:
+    if durable.syncfs is None or _fs_type(path) not in durable.SYNCFS_TYPES:
+        pytest.skip(f"{path} is on {_fs_type(path)} or has no syncfs: chunks are fsynced "
+                    "and renamed into place one by one there")
+
+
+def _count_renames(monkeypatch) -> list:
+    """A spy on the renames FileStorage makes (whether a chunk was renamed into
+    place leaves no trace in the directory)."""
+    seen, real = [], os.replace
+
+    def replace(src, dst, **kw):
+        seen.append(dst)
+        return real(src, dst, **kw)
+    monkeypatch.setattr(files_mod.os, "replace", replace)
+    return seen
+
+
+def test_a_saves_new_chunks_are_written_under_their_names(tmp_path, monkeypatch):
+    _batched(tmp_path)
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    renames = _count_renames(monkeypatch)
+    data = [_aligned(1 << 20), _aligned(5000)]  # an O_DIRECT chunk and a buffered one
+    s.begin_write("4")
+    with cf.ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda i: s.put(f"4/{_CHUNK.format(i)}", data[i % 2].data), range(8)))
+    assert renames == []
+    s.put("4/other", b"x")  # not a chunk's name: renamed into place, as ever
+    assert renames == ["other"]
+    s.flush("4")
+    assert s.put_if_absent("4/manifest.0-of-1.json", b"{}")
+    s.end_write("4")
+    assert all(s.read(f"4/{_CHUNK.format(i)}") == data[i % 2].tobytes() for i in range(8))
+    assert sorted(os.listdir(tmp_path / "4")) == sorted(
+        [_CHUNK.format(i) for i in range(8)] + ["other", "manifest.0-of-1.json"])
+
+
+def test_a_chunk_already_there_is_replaced_whole(tmp_path, monkeypatch):
+    # A copy of the same save resumed: the name may be a committed chunk that
+    # a reader has open, so it is replaced by a rename, never rewritten in place.
+    _batched(tmp_path)
+    s = FileStorage(str(tmp_path), "local")
+    key = f"5/{_CHUNK.format(0)}"
+    s.put(key, b"old" * 1000)
+    with open(tmp_path / key, "rb") as reader:
+        renames = _count_renames(monkeypatch)
+        s.begin_write("5")
+        s.put(key, b"new" * 2000)
+        s.flush("5")
+        s.end_write("5")
+        assert renames == [_CHUNK.format(0)]
+        assert reader.read() == b"old" * 1000  # the open copy is untouched
+    assert s.read(key) == b"new" * 2000
+    assert os.listdir(tmp_path / "5") == [_CHUNK.format(0)]  # no temporary left
+
+
+def test_a_failed_chunk_write_leaves_nothing_under_its_name(tmp_path):
+    _batched(tmp_path)
+    import resource
+    import signal
+    s = FileStorage(str(tmp_path), "local")
+    s.begin_write("6")
+    s.put(f"6/{_CHUNK.format(0)}", b"x" * 1000)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))  # a file of at most 64 KiB
+    try:
+        with pytest.raises(OSError) as ei:
+            s.put(f"6/{_CHUNK.format(1)}", b"y" * (256 << 10))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert ei.value.errno == errno.EFBIG and f"6/{_CHUNK.format(1)}" in str(ei.value)
+    s.end_write("6")
+    assert os.listdir(tmp_path / "6") == [_CHUNK.format(0)]  # the torn one was removed
+
+
+def test_a_step_directory_removed_under_a_save_fails_its_next_chunk(tmp_path):
+    # Chunks go through the directory the save opened: one removed meanwhile (a
+    # user's rm -rf, another cleaner) fails the save instead of being made again
+    # with only the chunks written after.
+    _batched(tmp_path)
+    s = FileStorage(str(tmp_path), "local")
+    s.begin_write("7")
+    s.put(f"7/{_CHUNK.format(0)}", b"x")
+    for n in os.listdir(tmp_path / "7"):
+        os.unlink(tmp_path / "7" / n)
+    os.rmdir(tmp_path / "7")
+    with pytest.raises(OSError) as ei:
+        s.put(f"7/{_CHUNK.format(1)}", b"x")
+    assert ei.value.errno == errno.ENOENT and str(tmp_path / "7") in str(ei.value)
+    assert not (tmp_path / "7").exists()
+    s.end_write("7")

@@ -63,7 +63,9 @@ class Storage(abc.ABC):
     def put(self, key: str, data: memoryview) -> None:
         """Writes an object atomically and durably: whole, or not at all. A
         chunk put between `begin_write(d)` and `flush(d)` may become durable
-        only at that flush."""
+        only at that flush, and a new chunk's name (one not yet under `d`)
+        may show a partial object until the put returns: no reader opens a
+        chunk before a committed manifest names it."""
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:

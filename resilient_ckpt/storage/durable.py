@@ -9,7 +9,8 @@ device's cache (on NFS, FUSE or overlay what it does for durability varies).
 
 A Batch holds a descriptor of the step directory opened when the save starts,
 so that a write-back error of any chunk written since is reported to it
-(the error is sampled per open file). Every `SYNC_EVERY` bytes written, one
+(the error is sampled per open file); the save's puts create their chunks
+through it (`hold`), so the directory is not walked again per chunk. Every `SYNC_EVERY` bytes written, one
 of the writing threads runs syncfs while the others go on writing, so the
 device is flushed in a pipeline, as per-chunk fsyncs would, with a few
 flushes instead of one per chunk, and the sync at the commit waits only for
@@ -70,10 +71,28 @@ class Batch:
     """One save's chunks under one directory, synced together."""
 
     def __init__(self, fd: int):
-        self.fd = fd  # owned: closed by `close`
+        self.fd = fd  # owned: closed by `close`, or by the last `release` after it
         self._lock = threading.Lock()
         self._syncing = threading.Lock()
         self._unsynced = 0
+        self._users = 0
+        self._closed = False
+
+    def hold(self) -> bool:
+        """Whether `fd` may be used (until `release`): False once closed, so a
+        put never creates a file through a descriptor number reused since."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._closed and not self._users
+        if last:
+            os.close(self.fd)
 
     def wrote(self, nbytes: int) -> None:
         """Counts a chunk written; syncs when `SYNC_EVERY` bytes wait and no
@@ -100,4 +119,10 @@ class Batch:
                              "system: a write-back error)")
 
     def close(self) -> None:
-        os.close(self.fd)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            idle = not self._users
+        if idle:
+            os.close(self.fd)

@@ -6,9 +6,16 @@ are durable before a manifest is committed after them. Between
 `begin_write(d)` and `flush(d)` the chunks put under `d` are not fsynced one
 by one but synced together with syncfs, during the puts and at `flush`
 (durable.py: where syncfs reports write-back errors, on local block-device
-file systems; elsewhere every put is fsynced, as outside a save). The commit
-itself uses `put_if_absent`: the temporary is hard-linked to the final name,
-which fails if the name exists, so two writers can never both commit a step.
+file systems; elsewhere every put is fsynced, as outside a save). Such a
+save's new chunks are written in place, under their final names, through the
+step directory's descriptor the save holds: no reader opens a chunk before a
+committed manifest names it, a chunk's name carries its save's id, and a
+writer's torn chunk is removed by its save's failure path or, if it died, by
+cleanup (an uncommitted step's chunks). A name already there (a copy of the
+same save resumed) is replaced by a temporary and a rename, as outside a
+save. The commit itself uses `put_if_absent`: the temporary is hard-linked to
+the final name, which fails if the name exists, so two writers can never
+both commit a step.
 With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
 copy-on-write mappings of objects instead of copies. With `direct` (the local
 tier) a snapshot's chunks are written with O_DIRECT (storage/direct.py).
@@ -35,6 +42,7 @@ import threading
 
 import numpy as np
 
+from .. import layout
 from ..errors import StorageError
 from ..layout import Writer
 from . import direct as odirect, durable
@@ -198,10 +206,19 @@ class FileStorage(_Walker, Storage):
         if self._fsync:
             os.fsync(fd)
 
-    def _batch_of(self, key: str) -> durable.Batch | None:
+    @contextlib.contextmanager
+    def _held_batch(self, key: str):
+        """The batch of the save writing `key`'s directory, held for the block
+        (None outside a save, or one just ended)."""
         with self._batch_lock:
-            return next((b for p, b in self._batches.items() if key.startswith(p + "/")),
-                        None)
+            batch = self._batches.get(key.rpartition("/")[0])
+        if batch is None or not batch.hold():
+            yield None
+            return
+        try:
+            yield batch
+        finally:
+            batch.release()
 
     def _start_batch(self, prefix: str, d: int) -> None:
         if not self._fsync:
@@ -225,8 +242,14 @@ class FileStorage(_Walker, Storage):
         """A temporary beside `name` in directory `d`, written (and fsynced
         when `sync`; a batch's chunks are synced by their batch instead)."""
         tmp = self._writer.tmp_name(name)
+        self._write_new(d, tmp, data, sync)
+        return tmp
+
+    def _write_new(self, d: int, name: str, data, sync: bool) -> None:
+        """File `name`, created in directory `d` (FileExistsError if there) and
+        written; fsynced when `sync`; removed again if the write fails."""
         view = memoryview(data).cast("B")
-        fd, direct = self._create(d, tmp, self._direct and odirect.qualifies(view))
+        fd, direct = self._create(d, name, self._direct and odirect.qualifies(view))
         try:
             if direct and not odirect.write(fd, view):
                 self._direct = False  # an alignment this file system refuses
@@ -238,35 +261,47 @@ class FileStorage(_Walker, Storage):
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(d, tmp)
+            _unlink_quietly(d, name)
             raise
         os.close(fd)
-        return tmp
 
-    def _create(self, d: int, tmp: str, direct: bool) -> tuple[int, bool]:
-        """The temporary, created; whether it is open with O_DIRECT."""
+    def _create(self, d: int, name: str, direct: bool) -> tuple[int, bool]:
+        """File `name`, created; whether it is open with O_DIRECT."""
         if direct:
             try:
-                return os.open(tmp, _CREATE | odirect.FLAG, 0o644, dir_fd=d), True
+                return os.open(name, _CREATE | odirect.FLAG, 0o644, dir_fd=d), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self._direct = False  # this file system takes no O_DIRECT (FUSE, ...)
-                _unlink_quietly(d, tmp)  # created before the flag was refused
-        return os.open(tmp, _CREATE, 0o644, dir_fd=d), False
+                _unlink_quietly(d, name)  # created before the flag was refused
+        return os.open(name, _CREATE, 0o644, dir_fd=d), False
 
     def put(self, key: str, data) -> None:
         dirs, name = self._split(key)
-        with self._failing("write of", key), self._dir(dirs, create=True) as d:
-            batch = self._batch_of(key)
-            tmp = self._write_tmp(d, name, data, sync=batch is None)
-            try:
-                os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
-            except BaseException:
-                _unlink_quietly(d, tmp)
-                raise
+        with self._failing("write of", key), self._held_batch(key) as batch:
+            if (batch is not None and layout.is_chunk_name(name)
+                    and self._put_in_place(batch.fd, name, data)):
+                batch.wrote(memoryview(data).nbytes)
+                return
+            with self._dir(dirs, create=True) as d:
+                tmp = self._write_tmp(d, name, data, sync=batch is None)
+                try:
+                    os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+                except BaseException:
+                    _unlink_quietly(d, tmp)
+                    raise
             if batch is not None:
                 batch.wrote(memoryview(data).nbytes)
+
+    def _put_in_place(self, d: int, name: str, data) -> bool:
+        """A save's new chunk written under its final name (its batch syncs
+        it); False, with nothing written, where the name exists already."""
+        try:
+            self._write_new(d, name, data, sync=False)
+        except FileExistsError:
+            return False
+        return True
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         dirs, name = self._split(key)
