@@ -10,6 +10,7 @@ import ctypes
 import errno
 import mmap
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -297,10 +298,10 @@ def test_a_tier_on_a_file_system_off_the_list_fsyncs_every_chunk(monkeypatch):
         calls = _count_syncs(monkeypatch)
         s.begin_write("8")
         for i in range(4):
-            s.put(f"8/c{i}", b"x")
+            s.put(f"8/0123abcd.c0.1.{i}", b"x")  # chunks, written in place
         s.flush("8")
         s.end_write("8")
-        assert calls == {"fsync": 5, "syncfs": 0}
+        assert calls == {"fsync": 5, "syncfs": 0}  # each chunk, then the directory
 
 
 # ------------------------------------------------------------ a save's chunks written in place
@@ -308,10 +309,18 @@ def test_a_tier_on_a_file_system_off_the_list_fsyncs_every_chunk(monkeypatch):
 _CHUNK = "0123abcd.c0.1.{}"  # a chunk's name: it carries its save's id
 
 
-def _batched(path) -> None:
-    if durable.syncfs is None or _fs_type(path) not in durable.SYNCFS_TYPES:
-        pytest.skip(f"{path} is on {_fs_type(path)} or has no syncfs: chunks are fsynced "
-                    "and renamed into place one by one there")
+@pytest.fixture(params=["syncfs", "fsync", "ram"])
+def saving(request, tmp_path):
+    """A root and FileStorage options for each way a save syncs its chunks:
+    with syncfs (a disk file system), an fsync each (one off syncfs's list:
+    tmpfs with fsync on), or not at all (the RAM tier)."""
+    if request.param == "syncfs":
+        if durable.syncfs is None or _fs_type(tmp_path) not in durable.SYNCFS_TYPES:
+            pytest.skip(f"{tmp_path} is on {_fs_type(tmp_path)} or has no syncfs")
+        yield tmp_path, {"direct": True}
+        return
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        yield pathlib.Path(root), {"fsync": request.param == "fsync"}
 
 
 def _count_renames(monkeypatch) -> list:
@@ -326,9 +335,9 @@ def _count_renames(monkeypatch) -> list:
     return seen
 
 
-def test_a_saves_new_chunks_are_written_under_their_names(tmp_path, monkeypatch):
-    _batched(tmp_path)
-    s = FileStorage(str(tmp_path), "local", direct=True)
+def test_a_saves_new_chunks_are_written_under_their_names(saving, monkeypatch):
+    tmp_path, options = saving
+    s = FileStorage(str(tmp_path), "local", **options)
     renames = _count_renames(monkeypatch)
     data = [_aligned(1 << 20), _aligned(5000)]  # an O_DIRECT chunk and a buffered one
     s.begin_write("4")
@@ -345,11 +354,11 @@ def test_a_saves_new_chunks_are_written_under_their_names(tmp_path, monkeypatch)
         [_CHUNK.format(i) for i in range(8)] + ["other", "manifest.0-of-1.json"])
 
 
-def test_a_chunk_already_there_is_replaced_whole(tmp_path, monkeypatch):
+def test_a_chunk_already_there_is_replaced_whole(saving, monkeypatch):
     # A copy of the same save resumed: the name may be a committed chunk that
     # a reader has open, so it is replaced by a rename, never rewritten in place.
-    _batched(tmp_path)
-    s = FileStorage(str(tmp_path), "local")
+    tmp_path, options = saving
+    s = FileStorage(str(tmp_path), "local", **options)
     key = f"5/{_CHUNK.format(0)}"
     s.put(key, b"old" * 1000)
     with open(tmp_path / key, "rb") as reader:
@@ -364,11 +373,11 @@ def test_a_chunk_already_there_is_replaced_whole(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "5") == [_CHUNK.format(0)]  # no temporary left
 
 
-def test_a_failed_chunk_write_leaves_nothing_under_its_name(tmp_path):
-    _batched(tmp_path)
+def test_a_failed_chunk_write_leaves_nothing_under_its_name(saving):
     import resource
     import signal
-    s = FileStorage(str(tmp_path), "local")
+    tmp_path, options = saving
+    s = FileStorage(str(tmp_path), "local", **options)
     s.begin_write("6")
     s.put(f"6/{_CHUNK.format(0)}", b"x" * 1000)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG
@@ -385,12 +394,12 @@ def test_a_failed_chunk_write_leaves_nothing_under_its_name(tmp_path):
     assert os.listdir(tmp_path / "6") == [_CHUNK.format(0)]  # the torn one was removed
 
 
-def test_a_step_directory_removed_under_a_save_fails_its_next_chunk(tmp_path):
+def test_a_step_directory_removed_under_a_save_fails_its_next_chunk(saving):
     # Chunks go through the directory the save opened: one removed meanwhile (a
     # user's rm -rf, another cleaner) fails the save instead of being made again
     # with only the chunks written after.
-    _batched(tmp_path)
-    s = FileStorage(str(tmp_path), "local")
+    tmp_path, options = saving
+    s = FileStorage(str(tmp_path), "local", **options)
     s.begin_write("7")
     s.put(f"7/{_CHUNK.format(0)}", b"x")
     for n in os.listdir(tmp_path / "7"):

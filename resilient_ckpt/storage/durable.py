@@ -7,15 +7,18 @@ before, it returned 0 for pages that never reached the disk) and on a local
 block-device file system, whose syncfs commits the journal and flushes the
 device's cache (on NFS, FUSE or overlay what it does for durability varies).
 
-A Batch holds a descriptor of the step directory opened when the save starts,
-so that a write-back error of any chunk written since is reported to it
-(the error is sampled per open file); the save's puts create their chunks
-through it (`hold`), so the directory is not walked again per chunk. Every `SYNC_EVERY` bytes written, one
-of the writing threads runs syncfs while the others go on writing, so the
-device is flushed in a pipeline, as per-chunk fsyncs would, with a few
-flushes instead of one per chunk, and the sync at the commit waits only for
-the tail. (Periodic syncing by bytes written is the idea of RocksDB's
-`bytes_per_sync`.)
+A Batch holds a descriptor of the step directory opened when the save starts;
+the save's puts create their chunks through it (`hold`), so the directory is
+not walked again per chunk. Where syncfs serves, a write-back error of any
+chunk written since it was opened is reported to it (the error is sampled
+per open file), and every `SYNC_EVERY` bytes written, one of the writing
+threads runs syncfs while the others go on writing, so the device is
+flushed in a pipeline, as per-chunk fsyncs would, with a few flushes
+instead of one per chunk, and the sync at the commit waits only for the
+tail. (Periodic syncing by bytes written is the idea of RocksDB's
+`bytes_per_sync`.) Elsewhere each chunk is fsynced by its put and the
+batch's sync fsyncs the directory; in a tier that does not fsync (the RAM
+tier, on tmpfs) nothing is.
 """
 from __future__ import annotations
 
@@ -68,10 +71,13 @@ def usable(fd: int) -> bool:
 
 
 class Batch:
-    """One save's chunks under one directory, synced together."""
+    """One save's chunks under one directory: `mode` "syncfs" syncs them
+    together; "fsync" leaves them to their puts and syncs the directory; None
+    syncs nothing (tmpfs)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, mode: str | None):
         self.fd = fd  # owned: closed by `close`, or by the last `release` after it
+        self.mode = mode
         self._lock = threading.Lock()
         self._syncing = threading.Lock()
         self._unsynced = 0
@@ -97,6 +103,8 @@ class Batch:
     def wrote(self, nbytes: int) -> None:
         """Counts a chunk written; syncs when `SYNC_EVERY` bytes wait and no
         other thread is syncing. Raises OSError if the sync reports an error."""
+        if self.mode != "syncfs":
+            return
         with self._lock:
             self._unsynced += nbytes
             if self._unsynced < SYNC_EVERY or not self._syncing.acquire(blocking=False):
@@ -113,7 +121,9 @@ class Batch:
             self._sync()
 
     def _sync(self) -> None:
-        if syncfs(self.fd) != 0:
+        if self.mode == "fsync":
+            os.fsync(self.fd)
+        elif self.mode == "syncfs" and syncfs(self.fd) != 0:
             n = ctypes.get_errno()
             raise OSError(n, f"{os.strerror(n)} (reported by a syncfs of the save's file "
                              "system: a write-back error)")

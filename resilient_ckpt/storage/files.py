@@ -2,20 +2,20 @@
 
 Every object is written to a temporary name carrying the writer's identity,
 fsynced, and renamed into place; `flush` fsyncs the directory so the renames
-are durable before a manifest is committed after them. Between
-`begin_write(d)` and `flush(d)` the chunks put under `d` are not fsynced one
-by one but synced together with syncfs, during the puts and at `flush`
-(durable.py: where syncfs reports write-back errors, on local block-device
-file systems; elsewhere every put is fsynced, as outside a save). Such a
-save's new chunks are written in place, under their final names, through the
-step directory's descriptor the save holds: no reader opens a chunk before a
-committed manifest names it, a chunk's name carries its save's id, and a
-writer's torn chunk is removed by its save's failure path or, if it died, by
-cleanup (an uncommitted step's chunks). A name already there (a copy of the
-same save resumed) is replaced by a temporary and a rename, as outside a
-save. The commit itself uses `put_if_absent`: the temporary is hard-linked to
-the final name, which fails if the name exists, so two writers can never
-both commit a step.
+are durable before a manifest is committed after them. A save, from
+`begin_write(d)` to `flush(d)`, holds a descriptor of `d` (a durable.Batch),
+and its new chunks are written in place, under their final names, through
+it: no reader opens a chunk before a committed manifest names it, a chunk's
+name carries its save's id, and a writer's torn chunk is removed by its
+save's failure path or, if it died, by cleanup (an uncommitted step's
+chunks). A name already there (a copy of the same save resumed) is replaced
+by a temporary and a rename, as outside a save. Where syncfs reports
+write-back errors, on local block-device file systems, a save's chunks are
+not fsynced one by one but synced together with syncfs, during the puts and
+at `flush`; elsewhere every put is fsynced and `flush` fsyncs `d`
+(durable.py). The commit itself uses `put_if_absent`: the temporary is
+hard-linked to the final name, which fails if the name exists, so two
+writers can never both commit a step.
 With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
 copy-on-write mappings of objects instead of copies. With `direct` (the local
 tier) a snapshot's chunks are written with O_DIRECT (storage/direct.py).
@@ -196,8 +196,7 @@ class FileStorage(_Walker, Storage):
         if create:
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
-        # Saves in progress whose chunks are synced together (durable.py), by
-        # step directory.
+        # Saves in progress (their batches: durable.py), by step directory.
         self._batches: dict[str, durable.Batch] = {}
         self._batch_lock = threading.Lock()
         self._batch_fs: bool | None = None  # whether syncfs serves here; at first save
@@ -221,15 +220,12 @@ class FileStorage(_Walker, Storage):
             batch.release()
 
     def _start_batch(self, prefix: str, d: int) -> None:
-        if not self._fsync:
-            return
-        if self._batch_fs is None:
+        if self._fsync and self._batch_fs is None:
             self._batch_fs = durable.usable(d)
-        if not self._batch_fs:
-            return
+        mode = None if not self._fsync else "syncfs" if self._batch_fs else "fsync"
         with self._batch_lock:
             if prefix not in self._batches:  # the first descriptor sees the most errors
-                self._batches[prefix] = durable.Batch(os.dup(d))
+                self._batches[prefix] = durable.Batch(os.dup(d), mode)
 
     def _end_batch(self, prefix: str) -> durable.Batch | None:
         """The save's batch, no longer used by puts (the caller closes it)."""
@@ -280,12 +276,13 @@ class FileStorage(_Walker, Storage):
     def put(self, key: str, data) -> None:
         dirs, name = self._split(key)
         with self._failing("write of", key), self._held_batch(key) as batch:
+            sync = batch is None or batch.mode != "syncfs"  # else synced by its batch
             if (batch is not None and layout.is_chunk_name(name)
-                    and self._put_in_place(batch.fd, name, data)):
+                    and self._put_in_place(batch.fd, name, data, sync)):
                 batch.wrote(memoryview(data).nbytes)
                 return
             with self._dir(dirs, create=True) as d:
-                tmp = self._write_tmp(d, name, data, sync=batch is None)
+                tmp = self._write_tmp(d, name, data, sync)
                 try:
                     os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
                 except BaseException:
@@ -294,11 +291,11 @@ class FileStorage(_Walker, Storage):
             if batch is not None:
                 batch.wrote(memoryview(data).nbytes)
 
-    def _put_in_place(self, d: int, name: str, data) -> bool:
-        """A save's new chunk written under its final name (its batch syncs
-        it); False, with nothing written, where the name exists already."""
+    def _put_in_place(self, d: int, name: str, data, sync: bool) -> bool:
+        """A save's new chunk written under its final name; False, with
+        nothing written, where the name exists already."""
         try:
-            self._write_new(d, name, data, sync=False)
+            self._write_new(d, name, data, sync)
         except FileExistsError:
             return False
         return True
@@ -462,16 +459,16 @@ class FileStorage(_Walker, Storage):
         raise StorageError(errno.EIO, f"{self._path(prefix)}: could not start a save")
 
     def flush(self, prefix: str) -> None:
-        if not self._fsync:
-            return
         batch = self._end_batch(prefix)
-        if batch is not None:  # a save's chunks: the batch's last syncfs
+        if batch is not None:  # a save's chunks: the batch's last sync
             try:
                 batch.sync()
             except OSError as e:
                 raise self._err("flush of", prefix, e) from e
             finally:
                 batch.close()
+            return
+        if not self._fsync:
             return
         try:
             with self._dir(self._parts(prefix)) as d:
