@@ -13,6 +13,13 @@ create-only put, end_write. Two ways, interleaved within each repeat:
 - limit `write_fsync`: each shard written to its own file and fsynced, on as
   many threads, then the directory fsynced (save_restore.py's limit).
 
+And beside them, on a tmpfs (`--shm`, default /dev/shm), where no disk
+decides the time and what is left is the per-chunk cost:
+
+- resilient_ckpt `ram_write`: the same chunks through the RAM tier's
+  storage (no fsync, as RamTier configures it);
+- limit `ram_write_plain`: each shard written to its own file there, no fsync.
+
 Orbax has no such setting; its whole local save is timed in save_restore.py.
 Each round writes into a fresh directory and the rounds before are renamed
 aside, not deleted, until the end: this machine's root file system is
@@ -65,11 +72,15 @@ def device_ops(path: str) -> tuple[int, int] | None:
     return (fields[4], fields[15]) if len(fields) > 15 else None
 
 
-def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
+def ours(root: str, shards: list[np.ndarray], threads: int, how) -> None:
+    """One step's chunks through our storage; `how`: "ram" (the RAM tier's
+    storage), or the syncfs for the local tier's (None: an fsync each)."""
     saved = durable.syncfs
-    durable.syncfs = syncfs  # the module's switch between the two ways
+    if how != "ram":
+        durable.syncfs = how  # the module's switch between the two ways
     try:
-        st = FileStorage(root, "local", direct=True)
+        st = (FileStorage(root, "ram", fsync=False, zero_copy=True) if how == "ram"
+              else FileStorage(root, "local", direct=True))
         st.begin_write("1")
         with cf.ThreadPoolExecutor(threads) as ex:
             # Named as a save's chunks are (a save id, then item, leaf, offsets).
@@ -83,12 +94,12 @@ def ours(root: str, shards: list[np.ndarray], threads: int, syncfs) -> None:
         durable.syncfs = saved
 
 
-def limit(root: str, shards: list[np.ndarray], threads: int, _syncfs) -> None:
+def limit(root: str, shards: list[np.ndarray], threads: int, how) -> None:
     os.makedirs(root)
-    write_files(root, shards, threads)
+    write_files(root, shards, threads, fsync=how != "ram")
 
 
-def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:
+def run_size(nbytes: int, repeats: int, workdir: str, shm: str, threads: int) -> dict:
     state = build_state(nbytes, make_mesh(4, 2))
     shards = [np.ascontiguousarray(s).reshape(-1) for s in unique_shards(state)]
     total = sum(s.nbytes for s in shards)
@@ -98,21 +109,28 @@ def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:
     if durable.syncfs is None:
         sys.stderr.write("no syncfs that reports write-back errors here: only the fallback\n")
         ways = ways[1:]
+    ways += [("resilient_ckpt", "ram_write", ours, "ram"),
+             ("limit", "ram_write_plain", limit, "ram")]
     runs: dict[str, list[float]] = {case: [] for _, case, _, _ in ways}
     ops: dict[str, list] = {case: [] for _, case, _, _ in ways}
     for r in range(repeats):
-        for _system, case, fn, syncfs in ways[r % len(ways):] + ways[:r % len(ways)]:
-            root = os.path.join(workdir, "step")  # fresh: main deletes the rounds at the end
+        for _system, case, fn, how in ways[r % len(ways):] + ways[:r % len(ways)]:
+            # Fresh: main deletes the disk's rounds at the end; a tmpfs round is
+            # deleted right after it (no discard there, and it holds memory).
+            on = shm if how == "ram" else workdir
+            root = os.path.join(on, "step")
             set_aside(root)
             os.sync()
             settle()
-            before = device_ops(workdir)
+            before = device_ops(on)
             t0 = time.perf_counter()
-            fn(root, shards, threads, syncfs)
+            fn(root, shards, threads, how)
             runs[case].append(round(time.perf_counter() - t0, 4))
-            after = device_ops(workdir)
+            after = device_ops(on)
             ops[case].append(None if before is None or after is None else
                              [after[0] - before[0], after[1] - before[1]])
+            if on == shm:
+                shutil.rmtree(root)
     label = size_label(nbytes)
     for system, case, _, _ in ways:
         emit({"bench": "local_flush", "system": system, "case": case, "bytes": total,
@@ -127,6 +145,7 @@ def run_size(nbytes: int, repeats: int, workdir: str, threads: int) -> dict:
         out[f"syncfs_speedup_over_fsync_each_{key}"] = round(
             med["write_fsync_each"] / med["write_syncfs"], 2)
         out[f"write_syncfs_vs_limit_{key}"] = round(med["write_fsync"] / med["write_syncfs"], 2)
+    out[f"ram_write_vs_limit_{key}"] = round(med["ram_write_plain"] / med["ram_write"], 2)
     return out
 
 
@@ -135,15 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None,
                    help="a directory on the disk to measure (default: a new one in "
                         "the current directory)")
+    p.add_argument("--shm", default="/dev/shm",
+                   help="a tmpfs for the RAM-tier cases (default /dev/shm)")
     p.add_argument("--threads", type=int, default=8)
     a = parse_options(p, argv)
     summary: dict = {}
     workdir = tempfile.mkdtemp(prefix="rc-local-flush-", dir=a.dir or os.getcwd())
+    shm = tempfile.mkdtemp(prefix="rc-local-flush-", dir=a.shm)
     try:
         for n in a.sizes:
-            summary.update(run_size(n, a.repeats, workdir, a.threads))
+            summary.update(run_size(n, a.repeats, workdir, shm, a.threads))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     emit_summary("local_flush", summary)
     return 0
 

@@ -11,7 +11,9 @@ tenants hits every system alike:
 - resilient_ckpt: CheckpointManager with a RAM tier (/dev/shm) and a local
   tier, both every step: the blocking time of `save` (also of a fresh job's
   first save, and of the first save of a new manager that restored the state
-  1 s before: a resumed job's), each tier's write time, restore from the RAM tier, and
+  1 s before: a resumed job's), each tier's write time (its lines carry the
+  write's phases, `chunks_s`, `flush_s`, `manifest_s`, `observe_s`, from
+  TierWrite.phases), restore from the RAM tier, and
   from the local tier with a warm and a cold page cache;
 - orbax: orbax.checkpoint.CheckpointManager (async) on the same state: the
   blocking time of `save` (and of its first), save + wait_until_finished, restore with a warm and
@@ -187,8 +189,8 @@ def build_state(total_bytes: int, mesh: Mesh) -> dict:
         sharding = NamedSharding(mesh, pspec)
 
         def cb(index):
-            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
-            start = tuple(s.indices(n)[0] for s, n in zip(index, shape))
+            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+            start = tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
             rng = np.random.default_rng([seed, *start])
             return rng.random(sub, dtype=np.float32).astype(dtype)
         return jax.make_array_from_callback(shape, sharding, cb)
@@ -223,10 +225,12 @@ def tree_bytes(state) -> int:
 
 # ---------------------------------------------------------------- the systems
 
-def write_files(d: str, shards: list[np.ndarray], threads: int) -> list[str]:
+def write_files(d: str, shards: list[np.ndarray], threads: int, fsync: bool = True
+                ) -> list[str]:
     """One file per unique shard in directory `d`, buffered write + fsync each,
     in a pool of `threads` (as wide as resilient_ckpt's I/O pool); then the
-    directory is fsynced. Returns the paths."""
+    directory is fsynced. With `fsync` False, no fsync at all (a RAM tier's
+    writes into tmpfs). Returns the paths."""
     paths = [os.path.join(d, f"shard.{i:05d}") for i in range(len(shards))]
 
     def put(i: int) -> None:
@@ -235,12 +239,15 @@ def write_files(d: str, shards: list[np.ndarray], threads: int) -> list[str]:
             view = memoryview(shards[i].reshape(-1).view(np.uint8))
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 
     with cf.ThreadPoolExecutor(threads) as ex:
         list(ex.map(put, range(len(paths))))
+    if not fsync:
+        return paths
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     os.fsync(fd)
     os.close(fd)
@@ -347,8 +354,9 @@ class Ours:
         return rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(tiers=[
             rc.RamTier(every=1, keep=keep, path=self.shm), rc.LocalTier(every=1, keep=keep)]))
 
-    def save(self, step: int, state) -> tuple[dict[str, float], int | None]:
-        """Seconds per case, and the peak memory of the save and its writes."""
+    def save(self, step: int, state) -> tuple[dict[str, float], int | None, dict]:
+        """Seconds per case, the peak memory of the save and its writes, and
+        each tier write's phases (case -> {"chunks_s": ..., ...})."""
         import orbax.checkpoint as ocp
         for s in self.mngr.all_steps():  # one step at a time in RAM: the memory is tight
             self.mngr.delete(s)
@@ -362,9 +370,12 @@ class Ours:
         assert started, f"step {step} was not saved"
         rec = self.mngr.save_records[-1]
         out = {"save_blocking": blocking, "save_total": total, "save_snapshot": rec.snapshot_s}
+        phases = {}
         for name, tw in rec.tiers.items():
             out[f"save_tier_{name}"] = tier_seconds(tw, name, step)
-        return out, peak.extra
+            phases[f"save_tier_{name}"] = {f"{k}_s": round(v, 4)
+                                           for k, v in (tw.phases or {}).items()}
+        return out, peak.extra, phases
 
     def reader(self, tier: str):
         rc = self.rc
@@ -550,7 +561,7 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
             # ran right after the first one's clean-up (4 GB: Orbax 1.8 s
             # against our 8.3 s, ours first).
             settle()
-            times, peak = sut.save(0, state)
+            times, peak = sut.save(0, state)[:2]
             add(system, "save_blocking_first", times["save_blocking"],
                 {"peak_extra_bytes": peak})
             sut.drop()
@@ -571,10 +582,10 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
             limit.clean()
             log.info("[%s] repeat %d: limit done", label, r)
             # resilient_ckpt
-            times, peak = ours.save(step, state)
+            times, peak, phases = ours.save(step, state)
             for case, t in times.items():
                 add("resilient_ckpt", case, t,
-                    {"peak_extra_bytes": peak} if case == "save_total" else None)
+                    {"peak_extra_bytes": peak} if case == "save_total" else phases.get(case))
             t, extra = ours.restore("ram", step, abstract, False, check)
             add("resilient_ckpt", "restore_ram", t, extra)
             ours.lose_ram_copy(step)

@@ -143,8 +143,9 @@ class Catalog:
                            if not (getattr(x, "process_index", None) == m.process_index
                                    and getattr(x, "save_id", None) == m.save_id))
             ts: selection.TierStep | None = commit.tier_step(tier, others + (m,))
-        else:  # process 0 of a shared tier reads them all: it runs retention there
-            ts = commit.observe_step(storage, tier, self._naming, m.step)
+        else:  # a file tier, or process 0 of a shared remote one (it runs retention
+            # there): the step's other manifests are read, ours taken as written
+            ts = commit.observe_step(storage, tier, self._naming, m.step, known=m)
         with self._lock:
             if ts is not None:
                 self._views.setdefault(tier, {})[m.step] = ts

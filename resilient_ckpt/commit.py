@@ -40,6 +40,10 @@ class TierWrite:
     source: str | None = None  # where the bytes came from: "host snapshot", or tier names
     stored_bytes: int | None = None  # bytes as stored (after the codec)
     skipped: str | None = None  # why the write never ran (superseded, ...); ok is False
+    # Seconds of each part of a committed write: "chunks" (every chunk put),
+    # "flush" (made durable), "manifest" (built and committed), "observe" (the
+    # catalog's view updated with it); their sum is `seconds`.
+    phases: dict[str, float] | None = None
 
     @classmethod
     def skip(cls, tier: str, step: int, reason: str) -> TierWrite:
@@ -142,7 +146,9 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
     committing = False
     try:
         stored = {rec.key: rec for rec in write()}
+        t1 = time.perf_counter()
         storage.flush(d)
+        t2 = time.perf_counter()
         m = manifest(stored)
         name = layout.manifest_name(m.process_index, m.process_count)
         if claim is not None:
@@ -173,10 +179,13 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
             pass  # not empty after all, or gone: cleanup has it either way
         raise
     storage.end_write(d)
+    t3 = time.perf_counter()
     if on_commit is not None:
         on_commit(m)
-    return TierWrite(tier, step, True, time.perf_counter() - t0, m.nbytes, source=source,
-                     stored_bytes=sum(r.stored_nbytes for r in stored.values()))
+    t4 = time.perf_counter()
+    phases = {"chunks": t1 - t0, "flush": t2 - t1, "manifest": t3 - t2, "observe": t4 - t3}
+    return TierWrite(tier, step, True, t4 - t0, m.nbytes, source=source,
+                     stored_bytes=sum(r.stored_nbytes for r in stored.values()), phases=phases)
 
 
 def _remove(storage: Storage, d: str, keys: list[str]) -> None:
@@ -221,12 +230,15 @@ _UNREADABLE = (CorruptCheckpointError, OSError, RecursionError, MemoryError, Uni
                ValueError)
 
 
-def read_manifests(storage: Storage, d: str, names: list[str]) -> tuple:
+def read_manifests(storage: Storage, d: str, names: list[str],
+                   known: mf.Manifest | None = None) -> tuple:
     """The manifests among `names` in step directory `d`, each parsed, or the
     CorruptCheckpointError saying why that copy cannot be used (logged once as
-    a warning, never raised)."""
-    return tuple(_read_manifest(storage, d, name) for name in sorted(names)
-                 if layout.parse_manifest_name(name) is not None)
+    a warning, never raised). `known`, a manifest this process just committed
+    there, stands for its own name as it is, not read back."""
+    mine = layout.manifest_name(known.process_index, known.process_count) if known else None
+    return tuple(known if name == mine else _read_manifest(storage, d, name)
+                 for name in sorted(names) if layout.parse_manifest_name(name) is not None)
 
 
 def _read_manifest(storage: Storage, d: str, name: str) -> mf.Manifest | CorruptCheckpointError:
@@ -263,30 +275,38 @@ def _manifest_names(storage: Storage, d: str) -> list[str]:
     return sorted(n for n in names if layout.parse_manifest_name(n))
 
 
-def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int
-                 ) -> TierStep | None:
+def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int,
+                 known: mf.Manifest | None = None) -> TierStep | None:
     """What `tier` holds of `step` (None: no manifest). A step directory that
-    cannot be listed shows as one unusable copy, with the reason, never an error."""
+    cannot be listed shows as one unusable copy, with the reason, never an error.
+
+    `known` is a manifest this process just committed there (after its chunks
+    were written and flushed): it is taken as written, its chunks' sizes as it
+    stored them, so a commit neither parses its own manifest back nor asks the
+    size of every chunk it wrote; only other processes' manifests are read."""
     d = naming.name(step)
     try:
         if storage.sizes_from_manifest:
-            manifests = read_manifests(storage, d, _manifest_names(storage, d))
+            manifests = read_manifests(storage, d, _manifest_names(storage, d), known)
             return tier_step(tier, manifests) if manifests else None
-        names = storage.list(d)
+        names = storage.list(d) if known is None else _manifest_names(storage, d)
     except OSError as e:
         err = CorruptCheckpointError(f"{storage.url}/{d}: cannot be listed ({e}); its "
                                      "step is read from other tiers, if any")
         log.warning("%s", err)
         return TierStep(tier, (err,), {})
-    manifests = read_manifests(storage, d, names)
+    manifests = read_manifests(storage, d, names, known)
     if not manifests:
         return None
-    present = set(names)
-    sizes = {}
+    present = set(names) if known is None else None  # else only manifests were listed
+    sizes: dict[str, int | None] = {}
     for m in manifests:
-        if isinstance(m, mf.Manifest):
+        if known is not None and m is known:
+            sizes.update((c.key, c.stored_nbytes) for _, _, c in m.chunks())
+        elif isinstance(m, mf.Manifest):
             for _, _, c in m.chunks():
-                sizes[c.key] = _size(storage, d, c.key) if c.key in present else None
+                sizes[c.key] = (_size(storage, d, c.key) if present is None or c.key in present
+                                else None)
     return TierStep(tier, manifests, sizes)
 
 
