@@ -34,14 +34,19 @@ from resilient_ckpt import (
 PAGE = 4096
 
 
-def make_state(mesh, seed):
+def make_state(mesh, seed, many=False):
     r = np.random.default_rng(seed)
     # Small chunks (1 KiB each), so the manifest is larger than any of them.
-    return {"w": jax.device_put(r.standard_normal((64, 32)).astype(np.float32),
-                                NamedSharding(mesh, P("data", "model"))),
-            "b": jax.device_put(r.standard_normal(16).astype(np.float32),
-                                NamedSharding(mesh, P())),
-            "np": np.arange(5.0) + seed, "step": seed}
+    state = {"w": jax.device_put(r.standard_normal((64, 32)).astype(np.float32),
+                                 NamedSharding(mesh, P("data", "model"))),
+             "b": jax.device_put(r.standard_normal(16).astype(np.float32),
+                                 NamedSharding(mesh, P())),
+             "np": np.arange(5.0) + seed, "step": seed}
+    if many:  # 200 more chunks: the I/O pool gets them in runs (commit._groups)
+        state["many"] = [jax.device_put(r.standard_normal((8, 4)).astype(np.float32),
+                                        NamedSharding(mesh, P("data", "model")))
+                         for _ in range(25)]
+    return state
 
 
 def abstract(tree):
@@ -91,7 +96,7 @@ def scenario(ckpt: str, case: str, fill, unfill) -> None:
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     opts = CheckpointManagerOptions(tiers=[LocalTier(keep=3)])
     with CheckpointManager(ckpt, options=opts) as m:
-        states = {s: make_state(mesh, s) for s in (1, 2, 3)}
+        states = {s: make_state(mesh, s, many=case == "many chunks") for s in (1, 2, 3)}
         want = {s: host(x) for s, x in states.items()}
         m.save(1, args=ocp.args.StandardSave(states[1]))
         m.wait_until_finished()
@@ -152,7 +157,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=False)
 
 
-@pytest.mark.parametrize("case", ["chunks", "manifest"])
+@pytest.mark.parametrize("case", ["chunks", "many chunks", "manifest"])
 def test_disk_full_on_a_small_tmpfs(small_disk, case):
     filler = os.path.join(small_disk, "filler")
 
@@ -187,7 +192,7 @@ def _child(ckpt: str, case: str) -> None:
     scenario(ckpt, case, fill, unfill)
 
 
-@pytest.mark.parametrize("case", ["chunks", "manifest"])
+@pytest.mark.parametrize("case", ["chunks", "many chunks", "manifest"])
 def test_disk_full_under_rlimit_fsize(tmp_path, case):
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_disk_full as t; "
