@@ -134,8 +134,9 @@ def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], job
                          claim)
 
 
-GROUP_BYTES = 4 << 20  # chunks go to the I/O pool in runs of up to this many bytes
-MIN_GROUPS = 64  # ... and in at least this many runs, so every pool thread has work
+GROUP_BYTES = 4 << 20  # chunks go to the I/O pool in runs of up to this many bytes,
+GROUP_MOST = 32  # ... and of up to this many chunks,
+MIN_GROUPS = 64  # ... in no fewer runs than this (given as many chunks): every thread has work
 
 
 def _groups(jobs: list) -> list[list]:
@@ -143,7 +144,7 @@ def _groups(jobs: list) -> list[list]:
     a save of thousands of small chunks paid a submit, a wake-up and a future
     per chunk (at 256 MB in 83 KB chunks, a sixth of the pool's samples). A
     chunk of GROUP_BYTES or more is a run of its own."""
-    most = max(1, min(32, len(jobs) // MIN_GROUPS))
+    most = max(1, min(GROUP_MOST, len(jobs) // MIN_GROUPS))
     groups: list[list] = []
     run: list = []
     size = 0
@@ -296,9 +297,14 @@ def _read_manifest(storage: Storage, d: str, name: str) -> mf.Manifest | Corrupt
 def tier_step(tier: str, manifests: tuple) -> TierStep:
     """A view of one step in a tier whose chunk sizes are taken from the
     manifests (checked when read), as for GCS, where asking costs requests."""
-    sizes = {c.key: c.stored_nbytes for m in manifests if isinstance(m, mf.Manifest)
-             for _, _, c in m.chunks()}
+    sizes = {k: n for m in manifests if isinstance(m, mf.Manifest)
+             for k, n in _recorded_sizes(m)}
     return TierStep(tier, tuple(manifests), sizes)
+
+
+def _recorded_sizes(m: mf.Manifest):
+    """(chunk key, stored size) as the manifest records them."""
+    return ((c.key, c.stored_nbytes) for _, _, c in m.chunks())
 
 
 def _manifest_names(storage: Storage, d: str) -> list[str]:
@@ -335,7 +341,7 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
     sizes: dict[str, int | None] = {}
     for m in manifests:
         if known is not None and m is known:
-            sizes.update((c.key, c.stored_nbytes) for _, _, c in m.chunks())
+            sizes.update(_recorded_sizes(known))
         elif isinstance(m, mf.Manifest):
             for _, _, c in m.chunks():
                 sizes[c.key] = (_size(storage, d, c.key) if present is None or c.key in present

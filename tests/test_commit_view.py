@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import orbax.checkpoint as ocp
 import pytest
 from hypothesis import given, strategies as st
 from test_corruption import device_state
@@ -32,7 +33,6 @@ def test_a_saves_view_is_the_one_a_reload_reads(tmp_path, monkeypatch):
         return real_read(self, key, max_bytes)
     monkeypatch.setattr(FileStorage, "read", read)
     with _manager(tmp_path) as m:
-        import orbax.checkpoint as ocp
         assert m.save(1, args=ocp.args.StandardSave(device_state(1)))
         m.wait_until_finished()
         assert not [k for k in reads if layout.parse_manifest_name(k.rpartition("/")[2])], \
@@ -49,10 +49,10 @@ def test_a_saves_view_is_the_one_a_reload_reads(tmp_path, monkeypatch):
 
 def test_other_processes_manifests_are_still_read(tmp_path):
     with _manager(tmp_path) as m:
-        import orbax.checkpoint as ocp
         assert m.save(1, args=ocp.args.StandardSave(device_state(1)))
         m.wait_until_finished()
         (mine,) = m.catalog.view("local")[1].manifests
+        assert isinstance(mine, mf.Manifest)
         st = m.catalog.storages()["local"]
     step_dir = tmp_path / "ckpt" / "1"
     (step_dir / layout.manifest_name(1, 2)).write_bytes(b"not a manifest")
@@ -62,7 +62,6 @@ def test_other_processes_manifests_are_still_read(tmp_path):
     assert isinstance(seen.manifests[1], CorruptCheckpointError)
     assert layout.manifest_name(1, 2) in str(seen.manifests[1])
     assert seen.sizes == {c.key: c.stored_nbytes for _, _, c in mine.chunks()}
-    assert isinstance(mine, mf.Manifest)
 
 
 @given(st.lists(st.integers(0, 3 * commit.GROUP_BYTES), max_size=3000))
@@ -85,7 +84,6 @@ def test_a_failing_chunk_fails_its_save_and_leaves_nothing(tmp_path, monkeypatch
     next save commits."""
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8), ("x",))
     state = {f"l{i}": jax.device_put(np.full((8, 4), i, np.float32), NamedSharding(mesh, P("x")))
