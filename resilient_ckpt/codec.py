@@ -55,16 +55,21 @@ def decode(codec: str, stored: np.ndarray, nbytes: int, out: np.ndarray | None =
         return stored
     if codec == "zstd":
         import zstandard
+        # Decoded straight into `out`: no chunk-sized temporary (fresh memory
+        # and a second copy of every byte, docs/benchmarks.md).
+        if out is None:
+            out = np.empty(nbytes, np.uint8)
+        view, got = out.reshape(-1).view(np.uint8)[:nbytes].data, 0
         try:
-            raw = zstandard.ZstdDecompressor().decompress(stored.data, max_output_size=nbytes)
+            with zstandard.ZstdDecompressor().stream_reader(stored.data) as r:
+                while got < nbytes and (n := r.readinto(view[got:])):
+                    got += n
+                more = r.read(1) if got == nbytes else b""
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"zstd frame does not decode: {e}") from None
-        if len(raw) != nbytes:
-            raise CorruptCheckpointError(f"zstd frame decodes to {len(raw)} bytes, "
-                                         f"the manifest says {nbytes}")
-        arr = np.frombuffer(raw, dtype=np.uint8)
-        if out is None:
-            return arr
-        out[:] = arr
-        return out
+        if got != nbytes or more:
+            raise CorruptCheckpointError(
+                f"zstd frame decodes to {'more than ' if more else ''}{got} bytes, "
+                f"the manifest says {nbytes}")
+        return out[:nbytes]
     raise CorruptCheckpointError(f"unknown codec {codec!r}")

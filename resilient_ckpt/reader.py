@@ -2,11 +2,12 @@
 
 Each chunk is read from the first tier in its source list whose copy passes its
 checksums; a failed copy is marked bad and the next tier is tried. A chunk is
-read whole (on a zero-copy tier, mapped), stitched from whole rows of several
-RAM-tier chunks into one mapping, or in parts: only the checksum blocks
-holding the rows a target needs, straight into place where the rows line up,
-else through a staging buffer bounded by the restore memory budget. The
-`RestoreRecord` says which tier served each chunk, the bytes read per tier,
+read whole (on a zero-copy tier, mapped; a compressed one through buffers
+reused from chunk to chunk, half the budget in all), stitched from whole rows
+of several RAM-tier chunks into one mapping, or in parts: only the checksum
+blocks holding the rows a target needs, straight into place where the rows
+line up, else through a staging buffer bounded by the restore memory budget.
+The `RestoreRecord` says which tier served each chunk, the bytes read per tier,
 and what fell back.
 """
 from __future__ import annotations
@@ -64,14 +65,48 @@ class ChunkReader:
         # shards this process could not read from its peers (restore.Hole);
         # None: a leaf that cannot be read whole here is an error.
         self.fills: dict[str, Any] | None = None
+        # Buffers that compressed chunks are read into before decoding, kept
+        # for the next chunk (a fresh one per chunk faulted in as many new
+        # pages as the state again, docs/benchmarks.md); all of them, idle or
+        # in use, hold at most half the budget (`_take_packed`).
+        self._packed: list[np.ndarray] = []  # idle
+        self._packed_bytes = 0  # idle and in use
+        self._packed_free = threading.Condition(self._lock)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self._packed.clear()
 
     def _stage(self, nbytes: int) -> np.ndarray:
         if self._staging is None or len(self._staging) < nbytes:
             self._staging = host_buffer(min(max(nbytes, 1 << 20), max(self.budget, nbytes)))
         return self._staging[:nbytes]
+
+    def _take_packed(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least `nbytes`, to hand back to `_give_packed`. Past
+        half the budget in all, a caller waits for one to come back (or drops
+        idle ones too small); a chunk larger than that gets one of its own."""
+        cap = self.budget // 2
+        if nbytes > cap:
+            return host_buffer(nbytes)
+        with self._packed_free:
+            while True:
+                for i, b in enumerate(self._packed):
+                    if len(b) >= nbytes:
+                        return self._packed.pop(i)
+                while self._packed and self._packed_bytes + nbytes > cap:
+                    self._packed_bytes -= len(self._packed.pop())
+                if self._packed_bytes + nbytes <= cap:
+                    self._packed_bytes += nbytes
+                    break
+                self._packed_free.wait()
+        return host_buffer(nbytes)
+
+    def _give_packed(self, buf: np.ndarray) -> None:
+        if len(buf) <= self.budget // 2:
+            with self._packed_free:
+                self._packed.append(buf)
+                self._packed_free.notify()
 
     def _from_tiers(self, c: ChunkRecord, where: str, read):
         """Runs read(storage, key) against each copy until one verifies."""
@@ -102,12 +137,17 @@ class ChunkReader:
         def read(st: Storage, key: str):
             raw = c.codec == "raw"
             buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
-            if buf is None:
-                buf = out if raw and out is not None else host_buffer(c.stored_nbytes)
+            if buf is None and raw:
+                buf = out if out is not None else host_buffer(c.stored_nbytes)
                 st.read_into(key, buf.data)
-            if not raw:
-                buf = codec.decode(c.codec, buf, c.nbytes,
-                                   out if out is not None else host_buffer(c.nbytes))
+            elif not raw:
+                packed = self._take_packed(c.stored_nbytes)
+                try:
+                    st.read_into(key, packed[:c.stored_nbytes].data)
+                    buf = codec.decode(c.codec, packed[:c.stored_nbytes], c.nbytes,
+                                       out if out is not None else host_buffer(c.nbytes))
+                finally:
+                    self._give_packed(packed)
             if crc32c.value(buf) != c.crc32c:
                 raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             return buf, c.stored_nbytes
