@@ -16,12 +16,23 @@ CPU devices, a (data=4, model=2) mesh, 16 leaves of varied shapes.
   the GCS tier alone (a new machine), `restore` onto the saved shardings;
 - orbax: `orbax.checkpoint.CheckpointManager` on gs:// (tensorstore through the
   emulator): `save` + `wait_until_finished`, and `restore` by a fresh manager;
+- `*_again`: a second save (step 2) by the same manager, ours raw and
+  Orbax's: what a training job pays for each periodic save after its first
+  (our host pool is then already faulted in);
 - limit: zstd level 1 compression and decompression of the state's bytes on
-  one thread (ratio and GB/s), the codec's own cost.
+  one thread (ratio and GB/s), the codec's own cost; and the emulator's own
+  transport bound: `put_media`, the state's unique shards each POSTed in one
+  media upload on 8 threads (plain http.client, one connection per thread),
+  `get_fresh` / `get_touched`, the same objects read back on 8 threads into
+  fresh memory (as a new machine's restore must) and into memory already
+  touched. Every timed case also gives `server_cpu_s`, the CPU time the
+  emulator process spent meanwhile (from /proc): on 2 cores the server's
+  work, not the client's, bounds the saves here.
 
 Output (docs/bench_contract.md): one JSON line per (system, case, dtype, size),
 then a summary line: `*_speedup_vs_orbax` = Orbax's time / ours (> 1: we are
-faster). Goals: restore >= 2, save >= 1.
+faster); `*_vs_limit` = ours / the limit's (>= 1; near 1: at the bound).
+Goals: restore >= 2, save >= 1.
 
     python bench/gcs.py                       # 1 GB, float32 and bfloat16, 3 repeats
     python bench/gcs.py --quick               # 128 MB, 2 repeats (< 2 min)
@@ -29,13 +40,17 @@ faster). Goals: restore >= 2, save >= 1.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import http.client
 import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 import uuid
 
 from _common import (
@@ -63,6 +78,7 @@ import numpy as np  # noqa: E402
 from _plot import plot  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from resilient_ckpt.hostmem import host_buffer  # noqa: E402
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
 
 log = logging.getLogger("bench.gcs")
@@ -82,21 +98,21 @@ def build_state(total: int, dtype, mesh: Mesh) -> dict:
         sharding = NamedSharding(mesh, specs[i % 4])
 
         def cb(index, shape=(rows, cols), seed=i):
-            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
-            start = tuple(s.indices(n)[0] for s, n in zip(index, shape))
+            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+            start = tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
             rng = np.random.default_rng([seed, *start])
             return (rng.standard_normal(sub, dtype=np.float32) * 0.02).astype(dtype)
         out[f"w{i:02d}"] = jax.make_array_from_callback((rows, cols), sharding, cb)
     return out
 
 
-def timed_save(manager, state: dict) -> tuple[float, int | None]:
-    """Seconds of `save` + `wait_until_finished` of step 1, and its peak
+def timed_save(manager, state: dict, step: int = 1) -> tuple[float, int | None]:
+    """Seconds of `save` + `wait_until_finished` of `step`, and its peak
     memory above the level before (_common.PeakRss)."""
     import orbax.checkpoint as ocp
     with PeakRss() as peak:
         t0 = time.perf_counter()
-        manager.save(1, args=ocp.args.StandardSave(state))
+        manager.save(step, args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
         dt = time.perf_counter() - t0
     return dt, peak.extra
@@ -125,13 +141,20 @@ class Ours:
         from resilient_ckpt import GcsTier
         return GcsTier(url, endpoint=self.endpoint, codec=codec)
 
-    def save(self, url: str, state: dict, codec: str, ram: str | None = None) -> tuple:
+    def save(self, url: str, state: dict, codec: str, ram: str | None = None,
+             then=None) -> tuple:
+        """(seconds, stored bytes, the GCS write's seconds, peak) of step 1;
+        with `then`, it is called with step 1's (seconds, peak) and step 2 is
+        saved by the same manager: its (seconds, peak) come last."""
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
         tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
         with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
             dt, peak = timed_save(m, state)
             tw = m.save_records[-1].tiers["gcs"]
-        return dt, tw.stored_bytes, tw.seconds, peak
+            if then is None:
+                return dt, tw.stored_bytes, tw.seconds, peak
+            then(dt, peak)
+            return dt, tw.stored_bytes, tw.seconds, peak, timed_save(m, state, step=2)
 
     def restore(self, url: str, state: dict, codec: str) -> tuple[float, int | None]:
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
@@ -141,10 +164,15 @@ class Ours:
 
 
 class Orbax:
-    def save(self, url: str, state: dict) -> tuple[float, int | None]:
+    def save(self, url: str, state: dict, then=None) -> tuple:
+        """(seconds, peak) of step 1; with `then`, as Ours.save: step 2's last."""
         import orbax.checkpoint as ocp
         with ocp.CheckpointManager(url) as m:
-            return timed_save(m, state)
+            first = timed_save(m, state)
+            if then is None:
+                return first
+            then(*first)
+            return (*first, timed_save(m, state, step=2))
 
     def restore(self, url: str, state: dict) -> tuple[float, int | None]:
         import orbax.checkpoint as ocp
@@ -159,63 +187,158 @@ def remove(endpoint: str, url: str) -> None:
     st.close()
 
 
+def unique_shards(state: dict) -> list[np.ndarray]:
+    return [np.asarray(s.data) for a in state.values() for s in a.addressable_shards
+            if s.replica_id == 0]
+
+
+class Transport:
+    """The emulator's own bound: the state's unique shards as objects, each
+    POSTed in one media upload and read back whole, on 8 threads with one
+    http.client connection each (no client library, no checksum)."""
+
+    def __init__(self, endpoint: str, shards: list[np.ndarray]):
+        u = urllib.parse.urlparse(endpoint)
+        self.host, self.port = u.hostname, u.port
+        self.shards = [x.reshape(-1).view(np.uint8) for x in shards]
+        self.local = threading.local()
+        self.pool = cf.ThreadPoolExecutor(8)
+        self.touched = [np.ones(x.nbytes, np.uint8) for x in self.shards]
+
+    def _conn(self) -> http.client.HTTPConnection:
+        if getattr(self.local, "conn", None) is None:
+            self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        return self.local.conn
+
+    def _post(self, name: str, data: np.ndarray) -> None:
+        c = self._conn()
+        c.request("POST", f"/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name="
+                  + urllib.parse.quote(name, safe=""), body=data.data,
+                  headers={"Content-Type": "application/octet-stream"})
+        r = c.getresponse()
+        r.read()
+        assert r.status == 200, f"upload of {name}: HTTP {r.status}"
+
+    def _get(self, name: str, out: np.ndarray) -> None:
+        c = self._conn()
+        c.request("GET", f"/download/storage/v1/b/{BUCKET}/o/"
+                  + urllib.parse.quote(name, safe="") + "?alt=media")
+        r = c.getresponse()
+        view, got = out.data, 0
+        while got < len(view) and (n := r.readinto(view[got:])):
+            got += n
+        r.read()
+        assert r.status == 200 and got == len(view), f"read of {name}: HTTP {r.status}"
+
+    def put(self, prefix: str) -> None:
+        list(self.pool.map(lambda i: self._post(f"{prefix}/{i}", self.shards[i]),
+                           range(len(self.shards))))
+
+    def get(self, prefix: str, fresh: bool) -> None:
+        outs = [host_buffer(x.nbytes) for x in self.shards] if fresh else self.touched
+        list(self.pool.map(lambda i: self._get(f"{prefix}/{i}", outs[i]),
+                           range(len(self.shards))))
+        assert all(np.array_equal(o, x) for o, x in zip(outs, self.shards, strict=True))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def codec_limit(state: dict, level: int = 1) -> dict:
     """zstd on one thread over every unique shard: ratio, compress and decompress GB/s."""
     import zstandard
-    shards = [np.asarray(s.data) for a in state.values() for s in a.addressable_shards
-              if s.replica_id == 0]
+    shards = unique_shards(state)
     raw = sum(x.nbytes for x in shards)
     t0 = time.perf_counter()
     packed = [zstandard.ZstdCompressor(level=level).compress(x) for x in shards]
     tc = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for p, x in zip(packed, shards):
+    for p, x in zip(packed, shards, strict=True):
         zstandard.ZstdDecompressor().decompress(p, max_output_size=x.nbytes)
     td = time.perf_counter() - t0
     return {"ratio": raw / sum(len(p) for p in packed), "compress_gb_s": raw / tc / 1e9,
             "decompress_gb_s": raw / td / 1e9}
 
 
-def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh) -> dict:
+def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid: int,
+            mesh: Mesh) -> dict:
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
     state = build_state(size, dtype, mesh)
     nbytes = sum(a.nbytes for a in state.values())
     ours, orbax, runs, stored, lims = Ours(endpoint), Orbax(), {}, {}, []
+    transport = Transport(endpoint, unique_shards(state))
     peaks: dict[tuple[str, str], list[int]] = {}
+    server_cpu: dict[tuple[str, str], list[float]] = {}
     ram = tempfile.mkdtemp(prefix="bench_gcs_ram_", dir="/dev/shm" if os.path.isdir("/dev/shm")
                            else None)
+    mark = [cpu_seconds(server_pid)]
 
     def add(system: str, case: str, seconds: float, peak: int | None = None) -> None:
+        """Records a case that ended just now; the server's CPU since the last mark."""
         runs.setdefault((system, case), []).append(seconds)
         if peak is not None:
             peaks.setdefault((system, case), []).append(peak)
-        log.info("%s %s %s %s: %.2f s (%.0f MB/s)", size_label(size), dtype_name, system, case,
-                 seconds, nbytes / seconds / 1e6)
+        now = cpu_seconds(server_pid)
+        server_cpu.setdefault((system, case), []).append(now - mark[0])
+        mark[0] = now
+        log.info("%s %s %s %s: %.2f s (%.0f MB/s), server CPU %.2f s", size_label(size),
+                 dtype_name, system, case, seconds, nbytes / seconds / 1e6,
+                 server_cpu[(system, case)][-1])
+
+    def start() -> None:
+        trim()
+        mark[0] = cpu_seconds(server_pid)
+
+    def limit(case: str, fn) -> None:
+        start()
+        t0 = time.perf_counter()
+        fn()
+        add("limit", case, time.perf_counter() - t0)
     try:
         for _ in range(repeats):
             run = uuid.uuid4().hex[:8]
             urls = {k: f"gs://{BUCKET}/{run}/{k}" for k in ("zstd", "raw", "ram", "orbax")}
+            start()
             dt, stored["zstd"], _, peak = ours.save(urls["zstd"], state, "zstd")
             add("resilient_ckpt", "save_gcs_zstd", dt, peak)
-            add("orbax", "save_gcs", *orbax.save(urls["orbax"], state))
-            dt, stored["raw"], _, peak = ours.save(urls["raw"], state, "raw")
-            add("resilient_ckpt", "save_gcs_raw", dt, peak)
+            start()
+            *_, again = orbax.save(urls["orbax"], state,
+                                   then=lambda dt, peak: add("orbax", "save_gcs", dt, peak))
+            add("orbax", "save_gcs_again", *again)
+            start()
+            _, stored["raw"], _, _, again = ours.save(
+                urls["raw"], state, "raw",
+                then=lambda dt, peak: add("resilient_ckpt", "save_gcs_raw", dt, peak))
+            add("resilient_ckpt", "save_gcs_raw_again", *again)
+            start()
             dt, _, upload, peak = ours.save(urls["ram"], state, "raw", ram=ram)
             add("resilient_ckpt", "save_gcs_from_ram", dt, peak)
-            add("resilient_ckpt", "upload_gcs_from_ram", upload)
+            runs.setdefault(("resilient_ckpt", "upload_gcs_from_ram"), []).append(upload)
             shutil.rmtree(ram, ignore_errors=True)
-            trim()
+            limit("put_media", lambda run=run: transport.put(f"{run}/limit"))
+            start()
             add("resilient_ckpt", "restore_gcs_zstd", *ours.restore(urls["zstd"], state, "zstd"))
-            trim()
+            start()
             add("orbax", "restore_gcs", *orbax.restore(urls["orbax"], state))
-            trim()
+            start()
             add("resilient_ckpt", "restore_gcs_raw", *ours.restore(urls["raw"], state, "raw"))
+            limit("get_fresh", lambda run=run: transport.get(f"{run}/limit", fresh=True))
+            limit("get_touched", lambda run=run: transport.get(f"{run}/limit", fresh=False))
             trim()
             for u in urls.values():
                 remove(endpoint, u)
+            remove(endpoint, f"gs://{BUCKET}/{run}/limit")
             lims.append(codec_limit(state))
     finally:
         shutil.rmtree(ram, ignore_errors=True)
+        transport.close()
     del state
     trim()
     common = {"bench": BENCH, "bytes": nbytes, "dtype": dtype_name, "devices": 8}
@@ -225,6 +348,8 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
             "save_gcs_zstd", "save_gcs_raw") else {}
         if (system, case) in peaks:  # the worst run
             extra.update(worst_peak(peaks[(system, case)], nbytes))
+        if (system, case) in server_cpu:
+            extra["server_cpu_s"] = round(statistics.median(server_cpu[(system, case)]), 3)
         emit({**common, "system": system, "case": case, "runs_s": xs, "median_s": med,
               "mb_per_s": round(nbytes / med / 1e6, 1), **extra})
     emit({**common, "system": "limit", "case": "zstd_level1_one_thread",
@@ -233,18 +358,24 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, mesh: Mesh)
     med = {k: statistics.median(v) for k, v in runs.items()}
     key = f"{size_label(size)}_{dtype_name}"
     o_save, o_rest = med[("orbax", "save_gcs")], med[("orbax", "restore_gcs")]
+    o_again = med[("orbax", "save_gcs_again")]
+    ours_med = {c: t for (s_, c), t in med.items() if s_ == "resilient_ckpt"}
     return {
-        f"restore_gcs_zstd_speedup_vs_orbax_{key}": o_rest / med[("resilient_ckpt",
-                                                                  "restore_gcs_zstd")],
-        f"restore_gcs_raw_speedup_vs_orbax_{key}": o_rest / med[("resilient_ckpt",
-                                                                 "restore_gcs_raw")],
-        f"save_gcs_zstd_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt",
-                                                               "save_gcs_zstd")],
-        f"save_gcs_raw_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt", "save_gcs_raw")],
-        f"save_gcs_from_ram_speedup_vs_orbax_{key}": o_save / med[("resilient_ckpt",
-                                                                   "save_gcs_from_ram")],
-        f"upload_gcs_from_ram_speedup_vs_orbax_save_{key}": o_save / med[
-            ("resilient_ckpt", "upload_gcs_from_ram")],
+        f"restore_gcs_zstd_speedup_vs_orbax_{key}": o_rest / ours_med["restore_gcs_zstd"],
+        f"restore_gcs_raw_speedup_vs_orbax_{key}": o_rest / ours_med["restore_gcs_raw"],
+        f"save_gcs_zstd_speedup_vs_orbax_{key}": o_save / ours_med["save_gcs_zstd"],
+        f"save_gcs_raw_speedup_vs_orbax_{key}": o_save / ours_med["save_gcs_raw"],
+        f"save_gcs_raw_again_speedup_vs_orbax_again_{key}": o_again / ours_med[
+            "save_gcs_raw_again"],
+        f"save_gcs_from_ram_speedup_vs_orbax_{key}": o_save / ours_med["save_gcs_from_ram"],
+        f"upload_gcs_from_ram_speedup_vs_orbax_save_{key}": o_save / ours_med[
+            "upload_gcs_from_ram"],
+        f"save_gcs_raw_again_vs_limit_{key}": ours_med["save_gcs_raw_again"]
+        / med[("limit", "put_media")],
+        f"orbax_save_gcs_again_vs_limit_{key}": o_again / med[("limit", "put_media")],
+        f"restore_gcs_raw_vs_limit_fresh_{key}": ours_med["restore_gcs_raw"]
+        / med[("limit", "get_fresh")],
+        f"orbax_restore_gcs_vs_limit_fresh_{key}": o_rest / med[("limit", "get_fresh")],
         f"zstd_stored_fraction_{key}": stored["zstd"] / nbytes,
         **peaks_vs_budget({k: max(v) for k, v in peaks.items()}, nbytes, key),
     }
@@ -268,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         server.create_bucket(BUCKET)
         for size in a.sizes:
             for dt in a.dtypes.split(","):
-                summary.update(run_one(size, dt, a.repeats, server.endpoint, mesh))
+                summary.update(run_one(size, dt, a.repeats, server.endpoint,
+                                       server.pid, mesh))
     emit_summary(BENCH, {k: round(v, 3) for k, v in summary.items()}, plot=a.plot)
     return 0
 

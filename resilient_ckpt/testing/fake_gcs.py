@@ -59,6 +59,11 @@ class FakeGcs:
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for its CPU time, say)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
