@@ -119,14 +119,15 @@ def timed_save(manager, state: dict, step: int = 1) -> tuple[float, int | None]:
 
 
 def timed_restore(open_manager, state: dict, who: str) -> tuple[float, int | None]:
-    """Seconds from opening a fresh manager to step 1 restored onto the
-    state's shardings, and the peak memory meanwhile (the restored state
+    """Seconds from opening a fresh manager to its latest step restored onto
+    the state's shardings, and the peak memory meanwhile (the restored state
     included); the values are then checked against `state`."""
     import orbax.checkpoint as ocp
     with PeakRss() as peak:
         t0 = time.perf_counter()
         with open_manager() as m:
-            out = m.restore(1, args=ocp.args.StandardRestore(abstract_of(state)))
+            out = m.restore(m.latest_step(),
+                            args=ocp.args.StandardRestore(abstract_of(state)))
             jax.block_until_ready(out)
             dt = time.perf_counter() - t0
     assert same_values(out, state), f"{who} restored different values"
@@ -145,7 +146,9 @@ class Ours:
              then=None) -> tuple:
         """(seconds, stored bytes, the GCS write's seconds, peak) of step 1;
         with `then`, it is called with step 1's (seconds, peak) and step 2 is
-        saved by the same manager: its (seconds, peak) come last."""
+        saved by the same manager: its (seconds, peak) come last (step 1 is
+        then deleted, so that the emulator holds one copy: it keeps objects
+        in memory, and was killed for it at 21 GB here)."""
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
         tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
         with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
@@ -154,7 +157,9 @@ class Ours:
             if then is None:
                 return dt, tw.stored_bytes, tw.seconds, peak
             then(dt, peak)
-            return dt, tw.stored_bytes, tw.seconds, peak, timed_save(m, state, step=2)
+            again = timed_save(m, state, step=2)
+            m.delete(1)
+            return dt, tw.stored_bytes, tw.seconds, peak, again
 
     def restore(self, url: str, state: dict, codec: str) -> tuple[float, int | None]:
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
@@ -172,7 +177,9 @@ class Orbax:
             if then is None:
                 return first
             then(*first)
-            return (*first, timed_save(m, state, step=2))
+            again = timed_save(m, state, step=2)
+            m.delete(1)
+            return (*first, again)
 
     def restore(self, url: str, state: dict) -> tuple[float, int | None]:
         import orbax.checkpoint as ocp
@@ -322,19 +329,19 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
             add("resilient_ckpt", "save_gcs_from_ram", dt, peak)
             runs.setdefault(("resilient_ckpt", "upload_gcs_from_ram"), []).append(upload)
             shutil.rmtree(ram, ignore_errors=True)
+            remove(endpoint, urls["ram"])
+            for system, case, key in (("resilient_ckpt", "restore_gcs_zstd", "zstd"),
+                                      ("orbax", "restore_gcs", "orbax"),
+                                      ("resilient_ckpt", "restore_gcs_raw", "raw")):
+                start()
+                add(system, case, *(orbax.restore(urls[key], state) if system == "orbax"
+                                    else ours.restore(urls[key], state, key)))
+                remove(endpoint, urls[key])
             limit("put_media", lambda run=run: transport.put(f"{run}/limit"))
-            start()
-            add("resilient_ckpt", "restore_gcs_zstd", *ours.restore(urls["zstd"], state, "zstd"))
-            start()
-            add("orbax", "restore_gcs", *orbax.restore(urls["orbax"], state))
-            start()
-            add("resilient_ckpt", "restore_gcs_raw", *ours.restore(urls["raw"], state, "raw"))
             limit("get_fresh", lambda run=run: transport.get(f"{run}/limit", fresh=True))
             limit("get_touched", lambda run=run: transport.get(f"{run}/limit", fresh=False))
-            trim()
-            for u in urls.values():
-                remove(endpoint, u)
             remove(endpoint, f"gs://{BUCKET}/{run}/limit")
+            trim()
             lims.append(codec_limit(state))
     finally:
         shutil.rmtree(ram, ignore_errors=True)
