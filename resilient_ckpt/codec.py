@@ -2,9 +2,10 @@
 
 The one list of codec names (`CODECS`, the `Codec` type), the check options
 are validated with, and the one place zstd is called: whole (`compress`,
-`encode`, `decode`) or as a stream (`compress_stream`, for chunks uploaded in
-pieces). The checksum in the manifest is always over the uncompressed bytes,
-so a reader verifies what it will use, whatever the codec.
+`encode`, `decode`), into a given buffer (`compress_into`; `decode` too) or
+as a stream (`compress_stream`, for chunks uploaded in pieces). The checksum
+in the manifest is always over the uncompressed bytes, so a reader verifies
+what it will use, whatever the codec.
 """
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def compress(data, level: int = 1) -> bytes:
     """One zstd frame of `data` (any buffer)."""
     import zstandard
     return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+def compress_into(data, out: np.ndarray, level: int = 1) -> int | None:
+    """One zstd frame of `data` written into `out` (uint8); its length, or
+    None when the frame does not fit (then `out` holds part of it)."""
+    import zstandard
+    view, got = out.reshape(-1).view(np.uint8).data, 0
+    with zstandard.ZstdCompressor(level=level).stream_reader(
+            data, size=memoryview(data).nbytes) as r:
+        while got < len(view) and (n := r.readinto(view[got:])):
+            got += n
+        return got if not r.read(1) else None
 
 
 def compress_stream(raw, level: int, size: int, read_size: int):

@@ -3,7 +3,9 @@
 `host_buffer` gives a fresh page-aligned buffer, backed by huge pages and
 populated by the kernel in one call where it can (first touch of fresh memory
 is the slowest step of a restore on these machines); `carve` cuts several
-such buffers from one mapping, for one leaf's shards; `untouched_zeros` gives
+such buffers from one mapping, for one leaf's shards; `BufferPool` lends
+such buffers again and again (compressed chunks on their way in or out),
+within a bound on their bytes; `untouched_zeros` gives
 aligned zeros that take no memory until written. `Region` reserves an
 address range and maps row ranges of several RAM-tier files into it side by
 side, copy-on-write, so a target shard that stacks whole rows of several saved
@@ -15,6 +17,7 @@ import concurrent.futures as cf
 import ctypes
 import errno
 import mmap
+import threading
 import weakref
 
 import numpy as np
@@ -105,6 +108,68 @@ def carve(sizes: list[int], threads: int = 2) -> list[np.ndarray]:
 
 def _pages(n: int) -> int:
     return -(-max(n, 1) // PAGE) * PAGE
+
+
+class BufferPool:
+    """`host_buffer`s lent and taken back, so that the next user finds its
+    pages already faulted in (a fresh buffer per compressed chunk faulted in
+    as many new pages as the state again, docs/benchmarks.md). All of them,
+    idle or lent, hold at most `cap` bytes: `take` waits for one to come
+    back (dropping idle ones too small) rather than pass it; a request over
+    `cap` gets a buffer of its own. With `keep_idle` False the idle ones are
+    dropped whenever none is lent, so nothing stays held between uses."""
+
+    def __init__(self, cap: int, keep_idle: bool = True):
+        self.cap, self.keep_idle = cap, keep_idle
+        self._idle: list[np.ndarray] = []
+        self._bytes = 0  # idle and lent
+        self._lent = 0
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least `nbytes`, to hand back to `give`."""
+        if nbytes > self.cap:
+            return host_buffer(nbytes)
+        with self._cond:
+            while True:
+                for i, b in enumerate(self._idle):
+                    if len(b) >= nbytes:
+                        self._lent += 1
+                        return self._idle.pop(i)
+                while self._idle and self._bytes + nbytes > self.cap:
+                    self._bytes -= len(self._idle.pop())
+                if self._bytes + nbytes <= self.cap:
+                    self._bytes += nbytes
+                    self._lent += 1
+                    break
+                self._cond.wait()
+        return host_buffer(nbytes)
+
+    def give(self, buf: np.ndarray) -> None:
+        if len(buf) > self.cap:
+            return  # its own: freed with its last reference
+        with self._cond:
+            self._lent -= 1
+            self._idle.append(buf)
+            if not self.keep_idle and self._lent == 0:
+                self._drop_idle()
+            self._cond.notify()
+
+    def clear(self) -> None:
+        """Drops the idle buffers."""
+        with self._cond:
+            self._drop_idle()
+            self._cond.notify_all()
+
+    def _drop_idle(self) -> None:
+        self._bytes -= sum(len(b) for b in self._idle)
+        self._idle.clear()
+
+    @property
+    def held(self) -> int:
+        """Bytes of the buffers idle or lent (at most `cap`, but for own ones)."""
+        with self._cond:
+            return self._bytes
 
 
 def untouched_zeros(shape: tuple, dtype) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import codec, crc32c, layout
 from .errors import CorruptCheckpointError, StorageError
-from .hostmem import Region, host_buffer
+from .hostmem import BufferPool, Region, host_buffer
 from .manifest import ChunkRecord
 from .planner import blocks_for_rows, rows_per_block
 from .selection import Choice
@@ -65,48 +65,18 @@ class ChunkReader:
         # shards this process could not read from its peers (restore.Hole);
         # None: a leaf that cannot be read whole here is an error.
         self.fills: dict[str, Any] | None = None
-        # Buffers that compressed chunks are read into before decoding, kept
-        # for the next chunk (a fresh one per chunk faulted in as many new
-        # pages as the state again, docs/benchmarks.md); all of them, idle or
-        # in use, hold at most half the budget (`_take_packed`).
-        self._packed: list[np.ndarray] = []  # idle
-        self._packed_bytes = 0  # idle and in use
-        self._packed_free = threading.Condition(self._lock)
+        # Compressed chunks are read into these before decoding: half the
+        # budget in all, reused from chunk to chunk.
+        self.packed = BufferPool(self.budget // 2)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        self._packed.clear()
+        self.packed.clear()
 
     def _stage(self, nbytes: int) -> np.ndarray:
         if self._staging is None or len(self._staging) < nbytes:
             self._staging = host_buffer(min(max(nbytes, 1 << 20), max(self.budget, nbytes)))
         return self._staging[:nbytes]
-
-    def _take_packed(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least `nbytes`, to hand back to `_give_packed`. Past
-        half the budget in all, a caller waits for one to come back (or drops
-        idle ones too small); a chunk larger than that gets one of its own."""
-        cap = self.budget // 2
-        if nbytes > cap:
-            return host_buffer(nbytes)
-        with self._packed_free:
-            while True:
-                for i, b in enumerate(self._packed):
-                    if len(b) >= nbytes:
-                        return self._packed.pop(i)
-                while self._packed and self._packed_bytes + nbytes > cap:
-                    self._packed_bytes -= len(self._packed.pop())
-                if self._packed_bytes + nbytes <= cap:
-                    self._packed_bytes += nbytes
-                    break
-                self._packed_free.wait()
-        return host_buffer(nbytes)
-
-    def _give_packed(self, buf: np.ndarray) -> None:
-        if len(buf) <= self.budget // 2:
-            with self._packed_free:
-                self._packed.append(buf)
-                self._packed_free.notify()
 
     def _from_tiers(self, c: ChunkRecord, where: str, read):
         """Runs read(storage, key) against each copy until one verifies."""
@@ -141,13 +111,13 @@ class ChunkReader:
                 buf = out if out is not None else host_buffer(c.stored_nbytes)
                 st.read_into(key, buf.data)
             elif not raw:
-                packed = self._take_packed(c.stored_nbytes)
+                packed = self.packed.take(c.stored_nbytes)
                 try:
                     st.read_into(key, packed[:c.stored_nbytes].data)
                     buf = codec.decode(c.codec, packed[:c.stored_nbytes], c.nbytes,
                                        out if out is not None else host_buffer(c.nbytes))
                 finally:
-                    self._give_packed(packed)
+                    self.packed.give(packed)
             if crc32c.value(buf) != c.crc32c:
                 raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             return buf, c.stored_nbytes

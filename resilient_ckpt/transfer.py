@@ -4,11 +4,13 @@ committed copy, checked against its crc32c, encoded on the way, in bounded piece
 This is how the GCS tier uploads a step that a faster tier already holds
 without touching the devices again, and how any tier stores zstd chunks. A
 chunk up to the storage's `piece_bytes` is read (or mapped) whole, checked,
-encoded and put in one request. A larger one is streamed: the source is read
-piece by piece, its crc32c is accumulated on the way and compared before the
-last piece leaves (so a corrupt source never completes an upload), and zstd
-compresses the stream as one frame. Memory per chunk in flight is therefore
-a few pieces, whatever the chunk's size.
+encoded (a zstd frame into a buffer reused from chunk to chunk, `PACKED`) and
+put in one request; a put must be done with the bytes when it returns. A
+larger one is streamed: the source is read piece by piece, its crc32c is
+accumulated on the way and compared before the last piece leaves (so a
+corrupt source never completes an upload), and zstd compresses the stream as
+one frame. Memory per chunk in flight is therefore a few pieces, whatever the
+chunk's size.
 
 A chunk is stored with zstd only where that saves at least `min_gain` of its
 bytes (judged on the whole chunk, or on a leading sample of a streamed one);
@@ -24,12 +26,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import crc32c
-from .codec import Codec, check as check_codec, compress, compress_stream
+from .codec import Codec, check as check_codec, compress, compress_into, compress_stream
 from .errors import CorruptCheckpointError, StorageError
+from .hostmem import BufferPool
 from .manifest import ChunkRecord
 from .storage.base import Storage
 
 SAMPLE_BYTES = 1 << 20
+# Chunks compressed whole are compressed into these, reused from chunk to chunk
+# (a fresh frame per chunk faulted in new pages for every byte stored): 128 MiB
+# in all across the process, none kept once no chunk is being compressed.
+PACKED = BufferPool(128 << 20, keep_idle=False)
 
 
 class SourceError(StorageError):
@@ -171,11 +178,16 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
     piece = storage.piece_bytes
     if c.nbytes <= piece:
         data = _whole(src, c)
-        if enc.codec == "zstd" and c.nbytes:
-            packed = compress(data, enc.level)
-            if len(packed) <= c.nbytes * (1 - enc.min_gain):
-                storage.put(key, memoryview(packed))
-                return dataclasses.replace(c, codec="zstd", stored_nbytes=len(packed))
+        most = int(c.nbytes * (1 - enc.min_gain))  # a frame any larger is not worth it
+        if enc.codec == "zstd" and most > 0:
+            buf = PACKED.take(most)
+            try:
+                n = compress_into(data, buf[:most], enc.level)
+                if n is not None:
+                    storage.put(key, buf[:n].data)
+                    return dataclasses.replace(c, codec="zstd", stored_nbytes=n)
+            finally:
+                PACKED.give(buf)
         storage.put(key, data)
         return dataclasses.replace(c, codec="raw", stored_nbytes=c.nbytes)
     zstd = enc.codec == "zstd" and _sample_gain(src, c, enc) >= enc.min_gain

@@ -65,7 +65,8 @@ class Storage(abc.ABC):
         chunk put between `begin_write(d)` and `flush(d)` may become durable
         only at that flush, and a new chunk's name (one not yet under `d`)
         may show a partial object until the put returns: no reader opens a
-        chunk before a committed manifest names it."""
+        chunk before a committed manifest names it. The caller may reuse
+        `data`'s memory once put returns."""
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:
