@@ -19,6 +19,9 @@ CPU devices, a (data=4, model=2) mesh, 16 leaves of varied shapes.
 - `*_again`: a second save (step 2) by the same manager, ours raw and
   Orbax's: what a training job pays for each periodic save after its first
   (our host pool is then already faulted in);
+Every timed case starts settled (`_common.settle`: 3 s for what the case
+before left running, the emulator's garbage collection included).
+
 - limit: zstd level 1 compression and decompression of the state's bytes on
   one thread (ratio and GB/s), the codec's own cost; and the emulator's own
   transport bound: `put_media`, the state's unique shards each POSTed in one
@@ -65,6 +68,7 @@ from _common import (
     prepare,
     read_jsonl,
     same_values,
+    settle,
     size_label,
     trim,
     worst_peak,
@@ -300,7 +304,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
                  server_cpu[(system, case)][-1])
 
     def start() -> None:
-        trim()
+        settle()  # the emulator too: its garbage collection of the case before
         mark[0] = cpu_seconds(server_pid)
 
     def limit(case: str, fn) -> None:
