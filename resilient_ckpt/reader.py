@@ -3,11 +3,11 @@
 Each chunk is read from the first tier in its source list whose copy passes its
 checksums; a failed copy is marked bad and the next tier is tried. A chunk is
 read whole (on a zero-copy tier, mapped; a compressed one through buffers
-reused from chunk to chunk, half the budget in all), stitched from whole rows
-of several RAM-tier chunks into one mapping, or in parts: only the checksum
-blocks holding the rows a target needs, straight into place where the rows
-line up, else through a staging buffer bounded by the restore memory budget.
-The `RestoreRecord` says which tier served each chunk, the bytes read per tier,
+reused from chunk to chunk, a quarter of the budget in all), stitched from
+whole rows of several RAM-tier chunks into one mapping, or in parts: only the
+checksum blocks holding the rows a target needs, straight into place where
+the rows line up, else through a staging buffer bounded by the restore memory
+budget. The `RestoreRecord` says which tier served each chunk, the bytes read per tier,
 and what fell back.
 """
 from __future__ import annotations
@@ -65,9 +65,11 @@ class ChunkReader:
         # shards this process could not read from its peers (restore.Hole);
         # None: a leaf that cannot be read whole here is an error.
         self.fills: dict[str, Any] | None = None
-        # Compressed chunks are read into these before decoding: half the
-        # budget in all, reused from chunk to chunk.
-        self.packed = BufferPool(self.budget // 2)
+        # Compressed chunks are read into these before decoding: a quarter of
+        # the budget in all (half gave 0.92-0.99 of the restore's memory
+        # promise at 1 GB here, a quarter 0.84-0.92, as fast), reused from
+        # chunk to chunk.
+        self.packed = BufferPool(self.budget // 4)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
