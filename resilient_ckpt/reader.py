@@ -7,8 +7,8 @@ reused from chunk to chunk, a quarter of the budget in all), stitched from
 whole rows of several RAM-tier chunks into one mapping, or in parts: only the
 checksum blocks holding the rows a target needs, straight into place where
 the rows line up, else through a staging buffer bounded by the restore memory
-budget. The `RestoreRecord` says which tier served each chunk, the bytes read per tier,
-and what fell back.
+budget. The `RestoreRecord` says which tier served each chunk, the bytes read
+per tier, and what fell back.
 """
 from __future__ import annotations
 
