@@ -189,8 +189,18 @@ def _count_syncs(monkeypatch):
     return calls
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds_under(path) -> list[str]:
+    """What this process's open descriptors under `path` point at (counting
+    them all instead failed when another test's leftover thread closed one)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own, say)
+        if target == str(path) or target.startswith(f"{path}/"):
+            out.append(target)
+    return out
 
 
 def _fs_type(path) -> str | None:
@@ -208,11 +218,12 @@ def test_a_saves_chunks_are_made_durable_by_one_syncfs_at_its_flush(tmp_path, mo
         pytest.skip(f"{tmp_path} is on {_fs_type(tmp_path)}, where chunks are fsynced")
     s = FileStorage(str(tmp_path), "local", direct=True)
     calls = _count_syncs(monkeypatch)
-    fds = _open_fds()
+    assert _fds_under(tmp_path) == []
     data = [_aligned(1 << 20), _aligned(5000)]  # an O_DIRECT chunk and a buffered one
     s.begin_write("4")
     with cf.ThreadPoolExecutor(4) as ex:
         list(ex.map(lambda i: s.put(f"4/c{i}", data[i % 2].data), range(12)))
+    assert _fds_under(tmp_path) == [str(tmp_path / "4")]  # the step's, held for its puts
     s.put("root-object", b"x")  # outside the step being written: fsynced as ever
     assert calls == {"fsync": 1, "syncfs": 0}
     s.flush("4")
@@ -222,7 +233,7 @@ def test_a_saves_chunks_are_made_durable_by_one_syncfs_at_its_flush(tmp_path, mo
     s.put("4/late", b"y")  # after the flush: fsynced again
     assert calls == {"fsync": 4, "syncfs": 1}
     s.end_write("4")
-    assert _open_fds() == fds  # the step's descriptor was closed
+    assert _fds_under(tmp_path) == []  # the step's descriptor was closed
     assert all(s.read(f"4/c{i}") == data[i % 2].tobytes() for i in range(12))
     s.flush("4")  # a delete's flush: the directory, as before
     assert calls == {"fsync": 5, "syncfs": 1}
@@ -254,11 +265,11 @@ def test_a_failed_save_closes_its_descriptor_and_the_next_puts_are_fsynced(tmp_p
                                                                            monkeypatch):
     s = FileStorage(str(tmp_path), "local")
     calls = _count_syncs(monkeypatch)
-    fds = _open_fds()
     s.begin_write("5")
     s.put("5/c0", b"x")
+    assert _fds_under(tmp_path) == [str(tmp_path / "5")]
     s.end_write("5")  # the save failed before its flush
-    assert _open_fds() == fds
+    assert _fds_under(tmp_path) == []
     before = calls["fsync"]
     s.put("5/c1", b"x")
     assert calls["fsync"] == before + 1 and calls["syncfs"] == 0
