@@ -84,6 +84,19 @@ def test_restarts_run_out(tmp_path):
     assert sup.timeline[-1].relaunched_t is None
 
 
+def test_a_directory_of_its_own_is_removed_at_the_end(tmp_path):
+    argv = _script(tmp_path, """
+        jobenv.report(job, "step", 1)
+        sys.exit(5 if job.attempt == 0 and job.process_id == 1 else 0)
+    """)
+    sup = Supervisor(argv, 2, max_restarts=1, deadline_s=60)
+    assert os.path.isdir(sup.workdir)
+    assert sup.run() == 0
+    assert [r.attempt for r in sup.timeline] == [0]  # one relaunch, its reports kept
+    assert all(sup.reports()[1]), sup.reports()
+    assert not os.path.exists(sup.workdir)
+
+
 def test_a_process_deaf_to_sigterm_is_killed_after_the_grace(tmp_path):
     argv = _script(tmp_path, """
         import signal

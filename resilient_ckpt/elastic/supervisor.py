@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -155,6 +156,8 @@ class Supervisor:
     relaunching the whole set after a failure (at most `max_restarts` times).
 
     `env`: variables added to every process's environment (None removes one).
+    `workdir`: where the processes' progress files go (default: `log_dir`,
+    else a temporary directory, removed when the run ends).
     `log_dir`: each process's stdout and stderr go to
     <log_dir>/launch<k>.proc<i>.log (default: this process's own streams).
     `before_relaunch(failure)`: called after the failed launch's processes
@@ -177,6 +180,8 @@ class Supervisor:
         self.grace_s, self.host, self.cwd, self.poll_s = grace_s, host, cwd, poll_s
         self.env = dict(env or {})
         self.log_dir = log_dir
+        # A directory of its own (neither given) is removed at the end.
+        self._own_workdir = not (workdir or log_dir)
         self.workdir = workdir or log_dir or _tempdir()
         self.before_relaunch = before_relaunch
         self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
@@ -330,6 +335,8 @@ class Supervisor:
             rc = self._watch()
         except BaseException as e:  # handed to wait()
             self._error, rc = e, 1
+        if self._own_workdir:  # every report is read by now
+            shutil.rmtree(self.workdir, ignore_errors=True)
         with self._cond:
             self._result = rc
             self._cond.notify_all()
