@@ -42,13 +42,13 @@ def _medians(ax, rows: list[dict], labels: list[str]) -> None:
     """One bar per line: its median seconds, whiskers from its fastest to its
     slowest run, the median written beside it."""
     med = [ln["median_s"] for ln in rows]
-    lo = [m - min(ln["runs_s"]) for m, ln in zip(med, rows)]
-    hi = [max(ln["runs_s"]) - m for m, ln in zip(med, rows)]
+    lo = [m - min(ln["runs_s"]) for m, ln in zip(med, rows, strict=True)]
+    hi = [max(ln["runs_s"]) - m for m, ln in zip(med, rows, strict=True)]
     ax.barh(range(len(rows)), med, xerr=[lo, hi], capsize=2,
             color=[COLORS.get(ln["system"], "k") for ln in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
-    for i, (m, h) in enumerate(zip(med, hi)):
+    for i, (m, h) in enumerate(zip(med, hi, strict=True)):
         ax.text(m + h, i, f"  {m:.2f}s", va="center", fontsize=7)
     ax.set_xlabel("seconds (median, whiskers: min-max)")
 
@@ -80,21 +80,22 @@ def plot_save_restore(plt, lines: list[dict], out: str) -> None:
 
 
 def plot_gcs(plt, lines: list[dict], out: str) -> None:
-    rows = [ln for ln in lines if ln.get("runs_s") and ln.get("system") != "limit"]
+    rows = [ln for ln in lines if ln.get("runs_s")]  # the zstd limit has no times
     panels = list(dict.fromkeys((ln["dtype"], ln["bytes"]) for ln in rows))
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
-    for ax, (dtype, nbytes) in zip(axes[0], panels):
+    for ax, (dtype, nbytes) in zip(axes[0], panels, strict=True):
         here = [ln for ln in rows if (ln["dtype"], ln["bytes"]) == (dtype, nbytes)]
         _medians(ax, here, [f"{ln['system']}: {ln['case']}" for ln in here])
         ax.set_title(f"{nbytes / 1e9:.2f} GB of {dtype}, through fake-gcs-server", fontsize=10)
-    _save(plt, fig, out, "bench/gcs.py: resilient_ckpt's GCS tier vs orbax (lower is better)")
+    _save(plt, fig, out, "bench/gcs.py: resilient_ckpt's GCS tier vs orbax vs plain requests "
+          "(limit; lower is better)")
 
 
 def plot_recovery(plt, lines: list[dict], out: str) -> None:
     rows = [ln for ln in lines if ln.get("case") in RECOVERY_CASES]
     sizes = list(dict.fromkeys(ln["size"] for ln in rows))
     fig, axes = plt.subplots(len(sizes), 1, figsize=(11, 2.8 * len(sizes)), squeeze=False)
-    for ax, size in zip(axes[:, 0], sizes):
+    for ax, size in zip(axes[:, 0], sizes, strict=True):
         cases = [ln for ln in rows if ln["size"] == size]
         for y, ln in enumerate(cases):
             left = 0.0
@@ -107,7 +108,7 @@ def plot_recovery(plt, lines: list[dict], out: str) -> None:
         ax.set_xlabel("seconds from the failure to the next completed step")
         ax.set_title(f"recovery, {size} state, 8 -> 4 CPU devices (phases: medians)")
         handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
+        uniq = dict(zip(labels, handles, strict=True))
         ax.legend(uniq.values(), uniq.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
                   fontsize=8)
         ax.set_xlim(0, max(ln["median_s"] for ln in cases) * 1.35)
@@ -124,14 +125,14 @@ SCALING = [("resilient_ckpt", "save_blocking"), ("orbax", "save_blocking"),
 def plot_scaling(plt, lines: list[dict], out: str) -> None:
     rows = [ln for ln in lines if ln.get("bench") == "save_restore" and "case" in ln]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, kind in zip(axes, ("save", "restore")):
+    for ax, kind in zip(axes, ("save", "restore"), strict=True):
         for system, case in [k for k in SCALING if k[1].startswith(kind)]:
             pts = sorted((ln["bytes"] / 1e9, ln["median_s"]) for ln in rows
                          if (ln["system"], ln["case"]) == (system, case))
             if len(pts) < 2:
                 continue
             style = "-" if system == "resilient_ckpt" else "--"
-            ax.plot(*zip(*pts), style, marker="o", label=f"{system}: {case}")
+            ax.plot(*zip(*pts, strict=True), style, marker="o", label=f"{system}: {case}")
         xs = sorted({ln["bytes"] / 1e9 for ln in rows})
         if xs:
             ax.plot(xs, [x / xs[0] * 0.1 for x in xs], ":", color="#888888",
