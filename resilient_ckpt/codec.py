@@ -36,12 +36,19 @@ def compress_into(data, out: np.ndarray, level: int = 1) -> int | None:
     """One zstd frame of `data` written into `out` (uint8); its length, or
     None when the frame does not fit (then `out` holds part of it)."""
     import zstandard
-    view, got = out.reshape(-1).view(np.uint8).data, 0
     with zstandard.ZstdCompressor(level=level).stream_reader(
             data, size=memoryview(data).nbytes) as r:
-        while got < len(view) and (n := r.readinto(view[got:])):
-            got += n
+        got = _fill(r, out.reshape(-1).view(np.uint8).data)
         return got if not r.read(1) else None
+
+
+def _fill(stream, view: memoryview) -> int:
+    """Reads `stream` into `view` until it is full or the stream ends; the
+    bytes read."""
+    got = 0
+    while got < len(view) and (n := stream.readinto(view[got:])):
+        got += n
+    return got
 
 
 def compress_stream(raw, level: int, size: int, read_size: int):
@@ -72,11 +79,9 @@ def decode(codec: str, stored: np.ndarray, nbytes: int, out: np.ndarray | None =
         # and a second copy of every byte, docs/benchmarks.md).
         if out is None:
             out = np.empty(nbytes, np.uint8)
-        view, got = out.reshape(-1).view(np.uint8)[:nbytes].data, 0
         try:
             with zstandard.ZstdDecompressor().stream_reader(stored.data) as r:
-                while got < nbytes and (n := r.readinto(view[got:])):
-                    got += n
+                got = _fill(r, out.reshape(-1).view(np.uint8)[:nbytes].data)
                 more = r.read(1) if got == nbytes else b""
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"zstd frame does not decode: {e}") from None

@@ -340,7 +340,7 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
     present = set(names) if known is None else None  # else only manifests were listed
     sizes: dict[str, int | None] = {}
     for m in manifests:
-        if known is not None and m is known:
+        if m is known:
             sizes.update(_recorded_sizes(known))
         elif isinstance(m, mf.Manifest):
             for _, _, c in m.chunks():
