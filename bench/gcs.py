@@ -138,6 +138,17 @@ def timed_restore(open_manager, state: dict, who: str) -> tuple[float, int | Non
     return dt, peak.extra
 
 
+def _again(manager, state: dict, dt: float, peak: int | None, then) -> tuple | None:
+    """With `then`: then(dt, peak) of step 1, step 2 saved by the same
+    manager, step 1 deleted; step 2's (seconds, peak). Without: None."""
+    if then is None:
+        return None
+    then(dt, peak)
+    again = timed_save(manager, state, step=2)
+    manager.delete(1)
+    return again
+
+
 class Ours:
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
@@ -148,22 +159,17 @@ class Ours:
 
     def save(self, url: str, state: dict, codec: str, ram: str | None = None,
              then=None) -> tuple:
-        """(seconds, stored bytes, the GCS write's seconds, peak) of step 1;
-        with `then`, it is called with step 1's (seconds, peak) and step 2 is
-        saved by the same manager: its (seconds, peak) come last (step 1 is
-        then deleted, so that the emulator holds one copy: it keeps objects
-        in memory, and was killed for it at 21 GB here)."""
+        """(seconds, stored bytes, the GCS write's seconds, peak) of step 1,
+        then step 2's (seconds, peak) or None: with `then`, it is called with
+        step 1's (seconds, peak) and step 2 is saved by the same manager
+        (step 1 is then deleted, so that the emulator holds one copy: it keeps
+        objects in memory, and was killed for it at 21 GB here)."""
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
         tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
         with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
             dt, peak = timed_save(m, state)
             tw = m.save_records[-1].tiers["gcs"]
-            if then is None:
-                return dt, tw.stored_bytes, tw.seconds, peak
-            then(dt, peak)
-            again = timed_save(m, state, step=2)
-            m.delete(1)
-            return dt, tw.stored_bytes, tw.seconds, peak, again
+            return dt, tw.stored_bytes, tw.seconds, peak, _again(m, state, dt, peak, then)
 
     def restore(self, url: str, state: dict, codec: str) -> tuple[float, int | None]:
         from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
@@ -174,16 +180,11 @@ class Ours:
 
 class Orbax:
     def save(self, url: str, state: dict, then=None) -> tuple:
-        """(seconds, peak) of step 1; with `then`, as Ours.save: step 2's last."""
+        """(seconds, peak) of step 1, then step 2's or None, as Ours.save."""
         import orbax.checkpoint as ocp
         with ocp.CheckpointManager(url) as m:
-            first = timed_save(m, state)
-            if then is None:
-                return first
-            then(*first)
-            again = timed_save(m, state, step=2)
-            m.delete(1)
-            return (*first, again)
+            dt, peak = timed_save(m, state)
+            return dt, peak, _again(m, state, dt, peak, then)
 
     def restore(self, url: str, state: dict) -> tuple[float, int | None]:
         import orbax.checkpoint as ocp
@@ -324,7 +325,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
             run = uuid.uuid4().hex[:8]
             urls = {k: f"gs://{BUCKET}/{run}/{k}" for k in ("zstd", "raw", "ram", "orbax")}
             start()
-            dt, stored["zstd"], _, peak = ours.save(urls["zstd"], state, "zstd")
+            dt, stored["zstd"], _, peak, _ = ours.save(urls["zstd"], state, "zstd")
             add("resilient_ckpt", "save_gcs_zstd", dt, peak)
             start()
             *_, again = orbax.save(urls["orbax"], state,
@@ -336,7 +337,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
                 then=first_then_settle("resilient_ckpt", "save_gcs_raw"))
             add("resilient_ckpt", "save_gcs_raw_again", *again)
             start()
-            dt, _, upload, peak = ours.save(urls["ram"], state, "raw", ram=ram)
+            dt, _, upload, peak, _ = ours.save(urls["ram"], state, "raw", ram=ram)
             add("resilient_ckpt", "save_gcs_from_ram", dt, peak)
             runs.setdefault(("resilient_ckpt", "upload_gcs_from_ram"), []).append(upload)
             shutil.rmtree(ram, ignore_errors=True)

@@ -72,12 +72,13 @@ def device_ops(path: str) -> tuple[int, int] | None:
     return (fields[4], fields[15]) if len(fields) > 15 else None
 
 
-def ours(root: str, shards: list[np.ndarray], threads: int, how) -> None:
+def ours(root: str, shards: list[np.ndarray], threads: int, how: str) -> None:
     """One step's chunks through our storage; `how`: "ram" (the RAM tier's
-    storage), or the syncfs for the local tier's (None: an fsync each)."""
+    storage), "syncfs" or "fsync" (the local tier's, one syncfs at the flush
+    or an fsync per chunk)."""
     saved = durable.syncfs
-    if how != "ram":
-        durable.syncfs = how  # the module's switch between the two ways
+    if how != "ram":  # the module's switch between the local tier's two ways
+        durable.syncfs = saved if how == "syncfs" else None
     try:
         st = (FileStorage(root, "ram", fsync=False, zero_copy=True) if how == "ram"
               else FileStorage(root, "local", direct=True))
@@ -94,7 +95,7 @@ def ours(root: str, shards: list[np.ndarray], threads: int, how) -> None:
         durable.syncfs = saved
 
 
-def limit(root: str, shards: list[np.ndarray], threads: int, how) -> None:
+def limit(root: str, shards: list[np.ndarray], threads: int, how: str) -> None:
     os.makedirs(root)
     write_files(root, shards, threads, fsync=how != "ram")
 
@@ -103,9 +104,9 @@ def run_size(nbytes: int, repeats: int, workdir: str, shm: str, threads: int) ->
     state = build_state(nbytes, make_mesh(4, 2))
     shards = [np.ascontiguousarray(s).reshape(-1) for s in unique_shards(state)]
     total = sum(s.nbytes for s in shards)
-    ways = [("resilient_ckpt", "write_syncfs", ours, durable.syncfs),
-            ("resilient_ckpt", "write_fsync_each", ours, None),
-            ("limit", "write_fsync", limit, None)]
+    ways = [("resilient_ckpt", "write_syncfs", ours, "syncfs"),
+            ("resilient_ckpt", "write_fsync_each", ours, "fsync"),
+            ("limit", "write_fsync", limit, "fsync")]
     if durable.syncfs is None:
         sys.stderr.write("no syncfs that reports write-back errors here: only the fallback\n")
         ways = ways[1:]
