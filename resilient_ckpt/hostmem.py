@@ -7,9 +7,9 @@ such buffers from one mapping, for one leaf's shards; `BufferPool` lends
 such buffers again and again (compressed chunks on their way in or out),
 within a bound on their bytes; `untouched_zeros` gives
 aligned zeros that take no memory until written. `Region` reserves an
-address range and maps row ranges of several RAM-tier files into it side by
-side, copy-on-write, so a target shard that stacks whole rows of several saved
-chunks (a smaller data axis after a failure) becomes one array without copying.
+address range and maps several RAM-tier files into it side by side,
+copy-on-write, so target shards that stack whole rows of several saved chunks
+(a smaller data axis after a failure) become views of it without copying.
 """
 from __future__ import annotations
 

@@ -135,23 +135,24 @@ def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
 def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
                 zero_copy: bool, dest: dict | None = None) -> Callable[[], dict]:
     """Starts reading the host arrays for each target box of one leaf; the
-    returned call waits for them and returns them by box. Whole chunks, and
-    boxes mapped from rows of several RAM-tier chunks (with their checksums),
-    are read on the reader's pool, so the next leaves' reads run meanwhile;
-    the buffers they are read into are cut from one mapping here first
-    (`hostmem.carve`). With `dest` (box -> array), every box is read into
-    its array instead."""
+    returned call waits for them and returns them by box. Whole chunks are
+    read on the reader's pool, so the next leaves' reads run meanwhile, into
+    buffers cut from one mapping here first (`hostmem.carve`); boxes that
+    stack whole rows of RAM-tier chunks are views of those chunks mapped in
+    row order, checked on the pool (`ChunkReader.stitch`). With `dest`
+    (box -> array), every box is read into its array instead."""
     dtype = jnp.dtype(rec.dtype)
-    wholes, mapped, plans, singles = {}, {}, {}, {}
+    wholes, plans, singles = {}, {}, {}
     for box, plan in zip(boxes, plan_boxes(boxes, rec.chunks, where), strict=True):
-        if dest is not None:
-            plans[box] = plan
-        elif plan.single is not None:
+        if dest is None and plan.single is not None:
             singles[box] = plan.single
-        elif zero_copy:
-            mapped[box] = (plan, reader.pool.submit(reader.stitched, box, plan, dtype))
         else:
             plans[box] = plan
+    mapped: dict = {}
+    stitched = plans
+    if zero_copy and dest is None and plans:  # views of RAM-tier chunks mapped in row order
+        mapped, left = reader.stitch(plans, dtype)
+        plans = {b: stitched[b] for b in left}
     read = [b for b, c in singles.items() if not _mappable(reader, c, zero_copy)]
     bufs = dict(zip(read, carve([singles[b].nbytes for b in read]), strict=True))
     for box, c in singles.items():
@@ -160,12 +161,11 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
 
     def done() -> dict:
         out, unmapped = assembled(), {}
-        for box, (plan, fut) in mapped.items():
-            got = fut.result()
-            if got is None:  # rows that do not stack at page boundaries: copied
-                unmapped[box] = plan
-            else:
-                out[box] = got
+        for box, (view, checks) in mapped.items():
+            if all([f.result() for f in checks]):
+                out[box] = view
+            else:  # a copy failed its check: read from the next one
+                unmapped[box] = stitched[box]
         if unmapped:
             out.update(_assemble(unmapped, dtype, reader, where)())
         out.update({b: f.result().view(dtype).reshape(b[1]) for b, f in wholes.items()})

@@ -212,6 +212,66 @@ def test_ram_tier_stitches_whole_rows_without_copy_and_still_verifies(dirs):
         assert any(victim in f for f in m3.last_restore.fallbacks)
 
 
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_ram_rows_of_a_leaf_map_once_in_row_order_and_only_needed_rows_are_checked(dirs):
+    """8 row chunks read onto 6 row shards by a process that holds the first
+    two (rows 0-8191 of 24576; chunk 2, rows 6144-9215, is needed in part):
+    the shards are views of one mapping of the chunks, in row order, with no
+    copy; only the checksum blocks of the rows needed are read, so a bad byte
+    past them goes unseen and one inside them falls back to the local copy,
+    named by its block."""
+    root, ram = dirs
+    rows, cols = 48 * 512, 256
+    host = np.random.default_rng(3).standard_normal((rows, cols)).astype(np.float32)
+    m = saved_leaf(root, ram, {"w": jax.device_put(host, NamedSharding(mesh_of(8, (8,)),
+                                                                      P("a")))})
+    choice = m.catalog.viable()[1]
+    leaf = choice.manifest.items[0].leaves[0]
+    target = NamedSharding(mesh_of(6, (6,)), P("a"))
+    share = sorted({index_to_box(i, host.shape)
+                    for i in target.addressable_devices_indices_map(host.shape).values()})[:2]
+    need = sum(int(np.prod(b[1])) * 4 for b in share)
+
+    def read():
+        rec = RestoreRecord(1)
+        reader = ChunkReader(m.catalog.storages(), m.naming, choice, set(), rec)
+        try:
+            out = _read_boxes(leaf, share, reader, "w", True)()
+        finally:
+            reader.close()
+        for b, arr in out.items():
+            assert np.array_equal(arr, host[tuple(slice(o, o + n) for o, n in zip(*b))])
+        return out, rec
+
+    out, rec = read()
+    assert set(rec.bytes_by_tier) == {"ram"} and rec.bytes_by_tier["ram"] <= 1.02 * need
+    first, second = (out[b] for b in share)
+    assert not first.flags.owndata and _address(second) == _address(first) + first.nbytes
+    del out, first, second
+    chunk2 = next(c for c in leaf.chunks if c.offsets[0] == 2 * rows // 8)
+    path = os.path.join(ram, "1", chunk2.key)
+    row_bytes = cols * 4
+
+    def spoil(row):
+        with open(path, "r+b") as f:
+            f.seek((row - chunk2.offsets[0]) * row_bytes + 7)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x20]))
+
+    spoil(9000)  # past row 8191 and its block: not needed, not read
+    _, rec = read()
+    assert set(rec.bytes_by_tier) == {"ram"} and not rec.fallbacks
+    spoil(7000)  # rows 7000-7255 of the array: block 3 of the chunk (256 rows each)
+    _, rec = read()
+    assert rec.served[chunk2.key] == "local"
+    assert any("block 3 of" in f and chunk2.key in f for f in rec.fallbacks), rec.fallbacks
+    m.close()
+
+
 def test_fewer_row_shards_from_disk_read_each_chunk_once(dirs):
     """Onto half the data shards, each target shard stacks whole chunks: read
     straight into place, every chunk exactly once (it was read twice, once
