@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Mapping
@@ -71,10 +72,14 @@ class ChunkReader:
         # promise at 1 GB here, a quarter 0.84-0.92, as fast), reused from
         # chunk to chunk.
         self.packed = BufferPool(self.budget // 4)
+        self._held = contextlib.ExitStack()  # the step's directory, open till close
+        for st in storages.values():
+            self._held.enter_context(st.holding(self.dir))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.packed.clear()
+        self._held.close()
 
     def _stage(self, nbytes: int) -> np.ndarray:
         if self._staging is None or len(self._staging) < nbytes:

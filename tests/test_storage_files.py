@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from resilient_ckpt import commit, layout
+from resilient_ckpt.errors import StorageError
 from resilient_ckpt.storage import FileStorage, direct as direct_mod, durable, files as files_mod
 
 
@@ -421,3 +422,36 @@ def test_a_step_directory_removed_under_a_save_fails_its_next_chunk(saving):
     assert ei.value.errno == errno.ENOENT and str(tmp_path / "7") in str(ei.value)
     assert not (tmp_path / "7").exists()
     s.end_write("7")
+
+
+def test_reads_under_a_held_step_directory_skip_the_walk_and_still_refuse_links(tmp_path,
+                                                                                monkeypatch):
+    # A restore holds its step's directory open (ChunkReader): each chunk is
+    # opened relative to it, with the same refusals as a walked open.
+    s = FileStorage(str(tmp_path), "ram", fsync=False, zero_copy=True)
+    s.put("1/a", memoryview(b"abcdefgh"))
+    (tmp_path / "outside").write_bytes(b"secret!!")
+    os.symlink(tmp_path / "outside", tmp_path / "1" / "link")
+    fds = len(os.listdir("/proc/self/fd"))
+    walks = []
+    real = files_mod._Walker._open_dir
+    monkeypatch.setattr(files_mod._Walker, "_open_dir",
+                        lambda self, parts, create=False: walks.append(parts) or
+                        real(self, parts, create))
+    with s.holding("1"), s.holding("1"), s.holding("9"):  # nested; 9 is not there
+        walks.clear()
+        assert s.read("1/a") == b"abcdefgh"
+        assert bytes(s.map("1/a", 8)) == b"abcdefgh"
+        buf = bytearray(3)
+        s.read_into("1/a", memoryview(buf), 2)
+        assert bytes(buf) == b"cde" and walks == []
+        with pytest.raises(StorageError) as ei:
+            s.read("1/link")
+        assert ei.value.errno == errno.ELOOP and "1/link" in str(ei.value)
+        with pytest.raises(StorageError) as ei:
+            s.read("9/x")
+        assert "9/x" in str(ei.value)
+    assert len(os.listdir("/proc/self/fd")) == fds  # every held descriptor closed
+    assert s._held == {}
+    walks.clear()
+    assert s.read("1/a") == b"abcdefgh" and walks == [["1"]]  # walked again

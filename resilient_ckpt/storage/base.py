@@ -32,7 +32,9 @@ after a create-only put found the name taken.
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -106,6 +108,12 @@ class Storage(abc.ABC):
         """Maps object bytes into a hostmem.Region (copy-on-write, zero-copy)
         where the backend can (`zero_copy`); False where it cannot."""
         return False
+
+    @contextlib.contextmanager
+    def holding(self, prefix: str) -> Iterator[None]:
+        """Within the block, reads of objects under `prefix` (a step being
+        restored) may skip walking to it for each object; a no-op here."""
+        yield
 
     @abc.abstractmethod
     def size(self, key: str) -> int | None:

@@ -30,6 +30,8 @@ shared /dev/shm, or left by a stray `ln -s`) can neither make the tier read,
 write or delete outside its root nor hang it: `list` and `size` see it as
 absent, and every other access raises StorageError naming it. The root itself
 may be a link the user chose: it is resolved once, when the storage opens.
+Within `holding(step)` (a restore) objects of that step are opened relative
+to its directory, walked to once at the start of the block.
 """
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ class _Walker:
     root: str   # as the user gave it: for messages and identity
     kind: str
     _real: str  # the root with the user's links resolved
+    # Directories kept open by `holding`, by their parts (several holders each).
+    _held: dict[tuple[str, ...], list[int]]
+    _hold_lock: threading.Lock
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -146,6 +151,46 @@ class _Walker:
             raise
         return fd
 
+    def _open_in(self, dirs: list[str], name: str) -> int:
+        """Opens object root/dirs/name for reading: relative to the directory
+        `holding` keeps open where it does (no walk, no descriptor of the
+        directory opened and closed again), else walked to."""
+        with self._hold_lock:  # held across the open: the holder cannot close it meanwhile
+            held = self._held.get(tuple(dirs))
+            if held:
+                return os.open(name, _READ, dir_fd=held[-1])
+        d = self._open_dir(dirs)
+        try:
+            return os.open(name, _READ, dir_fd=d)
+        finally:
+            os.close(d)
+
+    @contextlib.contextmanager
+    def holding(self, prefix: str):
+        # A restore opens a step's chunks one after another: walked to, each
+        # took 6 system calls (a GIL hand-off each on the pool's threads), 4
+        # relative to a held directory. A RAM-tier restore of a 256 MB state
+        # (2984 chunks) spent 13% of its samples walking; its fastest of 15
+        # restores went from 0.295-0.323 s to 0.284-0.293 s (medians noisy).
+        parts = tuple(self._parts(prefix))
+        try:
+            fd = self._open_dir(list(parts))
+        except OSError:
+            fd = None  # not there: every read walks, and says what is missing
+        if fd is None:
+            yield
+            return
+        with self._hold_lock:
+            self._held.setdefault(parts, []).append(fd)
+        try:
+            yield
+        finally:
+            with self._hold_lock:
+                self._held[parts].remove(fd)
+                if not self._held[parts]:
+                    del self._held[parts]
+            os.close(fd)
+
     @contextlib.contextmanager
     def _dir(self, parts: list[str], create: bool = False):
         fd = self._open_dir(parts, create)
@@ -159,11 +204,7 @@ class _Walker:
         file: a link is ELOOP, anything else a StorageError naming it."""
         dirs, name = self._split(key)
         try:
-            d = self._open_dir(dirs)
-            try:
-                fd = os.open(name, _READ, dir_fd=d)
-            finally:
-                os.close(d)
+            fd = self._open_in(dirs, name)
         except OSError as e:
             raise self._err("open of", key, e) from e
         try:
@@ -196,6 +237,7 @@ class FileStorage(_Walker, Storage):
         if create:
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
+        self._held, self._hold_lock = {}, threading.Lock()
         # Saves in progress (their batches: durable.py), by step directory.
         self._batches: dict[str, durable.Batch] = {}
         self._batch_lock = threading.Lock()

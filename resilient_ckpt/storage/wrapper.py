@@ -114,6 +114,9 @@ class StorageWrapper(Storage):
               length: int) -> bool:
         return self.inner.place(key, region, file_offset, dest_offset, length)
 
+    def holding(self, prefix: str):
+        return self.inner.holding(prefix)
+
     def size(self, key: str) -> int | None:
         return self.inner.size(key)
 
