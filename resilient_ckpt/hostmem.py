@@ -5,7 +5,8 @@ populated by the kernel in one call where it can (first touch of fresh memory
 is the slowest step of a restore on these machines); `carve` cuts several
 such buffers from one mapping, for one leaf's shards; `BufferPool` lends
 such buffers again and again (compressed chunks on their way in or out),
-within a bound on their bytes; `untouched_zeros` gives
+within a bound on their bytes; `cached` says whether the page cache holds
+a file whole (then the file tiers map it instead); `untouched_zeros` gives
 aligned zeros that take no memory until written. `Region` reserves an
 address range and maps several RAM-tier files into it side by side,
 copy-on-write, so target shards that stack whole rows of several saved chunks
@@ -33,6 +34,8 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 
@@ -70,6 +73,24 @@ def _populate(m: mmap.mmap, threads: int) -> None:
 def _madvise(addr: int, length: int) -> int:
     """The errno of MADV_POPULATE_WRITE on [addr, addr + length), 0 if none."""
     return 0 if _libc.madvise(addr, length, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
+
+
+def cached(fd: int, nbytes: int) -> bool:
+    """Whether every page of the first `nbytes` of file `fd` is in the page
+    cache (mincore(2) of a mapping made for the question); False where the
+    file cannot be mapped."""
+    if nbytes <= 0:
+        return False
+    addr = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        return False
+    try:
+        vec = np.empty(-(-nbytes // PAGE), np.uint8)
+        if _libc.mincore(addr, nbytes, vec.ctypes.data) != 0:
+            return False
+        return bool((vec & 1).all())
+    finally:
+        _libc.munmap(addr, nbytes)
 
 
 def host_buffer(nbytes: int) -> np.ndarray:

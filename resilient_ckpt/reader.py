@@ -229,9 +229,10 @@ class ChunkReader:
 
     def stitch(self, plans: dict, dtype: np.dtype) -> tuple[dict, list]:
         """Maps the target boxes of `plans` (box -> plan) that stack whole rows
-        of RAM-tier chunks, without a copy: chunks with one trailing extent
-        that follow each other along rows are mapped whole, in row order, into
-        one region (a run), and each such box is a view of its run. The rows
+        of chunks that `maps` (RAM-tier ones, cached local ones), without a
+        copy: chunks with one trailing extent that follow each other along
+        rows are mapped whole, in row order, into one region (a run), and each
+        such box is a view of its run. The rows
         the boxes need are then checked where they lie, a task per chunk on
         the pool. Returns ({box: (view, futures of its chunks' checks)}, the
         other boxes); a check's result is False where that copy failed.
@@ -281,11 +282,21 @@ class ChunkReader:
                         [checks[p.chunk.key] for p in plan.pieces])
         return out, left
 
+    def maps(self, c: ChunkRecord) -> bool:
+        """Whether the chunk's first copy can be mapped rather than read: a
+        RAM-tier object, or a local one the page cache holds whole (asked per
+        chunk: a few system calls, against a new buffer to fault in and fill)."""
+        tier = self.first_copy(c)
+        if c.codec != "raw" or tier is None:
+            return False
+        st = self.storages[tier]
+        return st.zero_copy or (st.maps_cached
+                                and st.resident(f"{self.dir}/{c.key}", c.stored_nbytes))
+
     def _runs_with(self, c: ChunkRecord, extent: tuple) -> bool:
         """Whether chunk `c` can be mapped whole into a run of `extent`."""
-        tier = self.first_copy(c)
-        return (c.codec == "raw" and rows_per_block(c) is not None and tier is not None
-                and self.storages[tier].zero_copy and (c.offsets[1:], c.sizes[1:]) == extent)
+        return (rows_per_block(c) is not None and (c.offsets[1:], c.sizes[1:]) == extent
+                and self.maps(c))
 
     def _map_run(self, run: list[ChunkRecord], need: dict
                  ) -> tuple[int, np.ndarray, dict] | None:

@@ -183,10 +183,8 @@ INLINE_BYTES = 256 << 10
 
 
 def _mappable(reader: ChunkReader, c: ChunkRecord, zero_copy: bool) -> bool:
-    """Whether the chunk's first copy is a RAM-tier object `whole` maps."""
-    tier = reader.first_copy(c)
-    return (zero_copy and c.codec == "raw" and tier is not None
-            and reader.storages[tier].zero_copy)
+    """Whether `whole` maps the chunk's first copy instead of reading it."""
+    return zero_copy and reader.maps(c)
 
 
 def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: bool,

@@ -109,6 +109,9 @@ class LocalTier:
     `direct_io`: chunk files are written with O_DIRECT, past the page cache
     (faster, and no host memory taken by cached checkpoint bytes); False
     writes them through the cache, so a restore soon after reads memory.
+    `map_cached`: a restore maps chunk files the page cache holds whole
+    (copy-on-write, as the RAM tier's) instead of copying them into new
+    memory; their disk blocks stay allocated while the restored arrays live.
     """
 
     path: str | None = None
@@ -116,6 +119,7 @@ class LocalTier:
     keep: int | None = None
     fsync: bool = True
     direct_io: bool = True
+    map_cached: bool = True
     kind = "local"
     rank = 1  # tier order: fastest first
 
@@ -124,7 +128,7 @@ class LocalTier:
             raise ValueError(f"LocalTier() needs path= when the manager's directory is "
                              f"a gs:// URL ({directory})")
         return FileStorage(self.path or directory, "local", fsync=self.fsync, create=create,
-                           direct=self.direct_io)
+                           direct=self.direct_io, maps_cached=self.map_cached)
 
 
 @dataclasses.dataclass(frozen=True)

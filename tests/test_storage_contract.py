@@ -39,6 +39,13 @@ class TestLocalFileStorage(StorageContract):
         return FileStorage(str(tmp_path / "tier"), "local")
 
 
+class TestLocalFileStorageMappingCached(StorageContract):
+    """The local tier as LocalTier opens it: page-cached objects mapped."""
+
+    def make_storage(self, tmp_path):
+        return FileStorage(str(tmp_path / "tier"), "local", direct=True, maps_cached=True)
+
+
 class TestGcsStorage(StorageContract):
     overwrite_rounds = 10
 

@@ -52,6 +52,9 @@ class Storage(abc.ABC):
     # `map`/`place` give copy-on-write views of objects, without a copy (the RAM
     # tier on tmpfs); elsewhere they return None/False and bytes are read.
     zero_copy: bool = False
+    # `map`/`place` give such views of the objects `resident` says are held in
+    # memory whole (a local disk's files in the page cache).
+    maps_cached: bool = False
     # A slow durable store (GCS): steps reach it as uploads of a faster tier's
     # committed copy, and a restore does not wait for its uploads.
     remote: bool = False
@@ -99,14 +102,22 @@ class Storage(abc.ABC):
 
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
         """A zero-copy uint8 view of the object, where the backend can give one
-        (`zero_copy`) that later writes and deletes never change and whose own
-        writes never reach storage (copy-on-write); else None."""
+        (`zero_copy`, or `maps_cached` and the object is `resident`) that later
+        writes and deletes never change and whose own writes never reach
+        storage (copy-on-write); else None."""
         return None
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
         """Maps object bytes into a hostmem.Region (copy-on-write, zero-copy)
-        where the backend can (`zero_copy`); False where it cannot."""
+        where the backend can (`zero_copy`, or `maps_cached` and the bytes are
+        resident); False where it cannot."""
+        return False
+
+    def resident(self, key: str, nbytes: int) -> bool:
+        """Whether `map` of the object's first `nbytes` would give a view now
+        (`zero_copy`, or `maps_cached` and every page is held in memory); a
+        hint: the answer may change before the `map`."""
         return False
 
     @contextlib.contextmanager

@@ -17,8 +17,11 @@ at `flush`; elsewhere every put is fsynced and `flush` fsyncs `d`
 hard-linked to the final name, which fails if the name exists, so two
 writers can never both commit a step.
 With `zero_copy` (the RAM tier, on tmpfs) `map` and `place` hand out private,
-copy-on-write mappings of objects instead of copies. With `direct` (the local
-tier) a snapshot's chunks are written with O_DIRECT (storage/direct.py).
+copy-on-write mappings of objects instead of copies; with `maps_cached` (the
+local tier) they do so for objects whose every page is in the page cache
+(`resident`), which would otherwise be copied out of memory into new memory.
+With `direct` (the local tier) a snapshot's chunks are written with O_DIRECT
+(storage/direct.py).
 
 Nothing below the root is ever followed. Every key is walked from the root
 one directory descriptor at a time with O_NOFOLLOW (`*at` calls on that
@@ -44,7 +47,7 @@ import threading
 
 import numpy as np
 
-from .. import layout
+from .. import hostmem, layout
 from ..errors import StorageError
 from ..layout import Writer
 from . import direct as odirect, durable
@@ -222,14 +225,17 @@ class _Walker:
 
 class FileStorage(_Walker, Storage):
     """Objects as files under `root`; `kind` names it in records ("ram",
-    "local"); `zero_copy` maps objects (tmpfs only); `fsync` off on tmpfs;
-    `direct` writes big aligned objects with O_DIRECT (disks only)."""
+    "local"); `zero_copy` maps objects (tmpfs only); `maps_cached` maps those
+    the page cache holds whole; `fsync` off on tmpfs; `direct` writes big
+    aligned objects with O_DIRECT (disks only)."""
 
     def __init__(self, root: str, kind: str = "local", *, fsync: bool = True,
-                 create: bool = True, zero_copy: bool = False, direct: bool = False):
+                 create: bool = True, zero_copy: bool = False, direct: bool = False,
+                 maps_cached: bool = False):
         self.root = os.path.abspath(root)  # as given: for messages and identity
         self.kind = kind
         self.zero_copy = zero_copy  # only on tmpfs: see map()
+        self.maps_cached = maps_cached
         self._direct = direct  # off once the file system refuses O_DIRECT
         self.url = self.root
         self._fsync = fsync
@@ -407,24 +413,46 @@ class FileStorage(_Walker, Storage):
         finally:
             os.close(fd)
 
+    def resident(self, key: str, nbytes: int) -> bool:
+        if self.zero_copy:
+            return nbytes > 0
+        if not self.maps_cached or nbytes <= 0:
+            return False
+        try:
+            return bool(self._with_fd(key, nbytes, lambda fd: hostmem.cached(fd, nbytes)))
+        except StorageError:
+            return False  # missing or not a file: the read that follows says so
+
     def map(self, key: str, nbytes: int) -> np.ndarray | None:
-        # Only with zero_copy (the RAM tier): its pages are memory already, and
-        # since objects are replaced by rename and never written in place, a
-        # private mapping keeps seeing the bytes it was opened on. A disk file
-        # mapped this way would pin deleted blocks and page the state in from
-        # disk, so it is copied.
-        if not self.zero_copy or nbytes == 0:
+        # A private mapping keeps seeing the bytes it was opened on: objects
+        # are replaced by rename and never written in place, and a deleted
+        # file lives on while mapped. On tmpfs (zero_copy) the pages are memory
+        # already. A disk file is mapped only where the page cache holds it
+        # whole (maps_cached): the restored state then shares those pages, no
+        # new memory is touched (on these VMs the dearest part of a warm
+        # restore) and no second copy of the state is held; a file read from
+        # the disk is read into buffers of its own, in large reads, instead of
+        # page by page through faults. The price: a deleted step's blocks stay
+        # allocated while its restored arrays live.
+        if nbytes == 0 or not (self.zero_copy or self.maps_cached):
             return None
-        m = self._with_fd(key, nbytes, lambda fd: mmap.mmap(
-            fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
-        return None if m is None else np.frombuffer(m, dtype=np.uint8)
+
+        def open_map(fd: int):
+            if not (self.zero_copy or hostmem.cached(fd, nbytes)):
+                return False
+            return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = self._with_fd(key, nbytes, open_map)
+        return np.frombuffer(m, dtype=np.uint8) if isinstance(m, mmap.mmap) else None
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
-        if not self.zero_copy:  # see map(): disk files are copied, not mapped
+        if not (self.zero_copy or self.maps_cached):  # see map()
             return False
-        return bool(self._with_fd(key, file_offset + length, lambda fd: region.place(
-            fd, file_offset, dest_offset, length)))
+        need = file_offset + length
+        return bool(self._with_fd(key, need, lambda fd: (
+            self.zero_copy or hostmem.cached(fd, need))
+            and region.place(fd, file_offset, dest_offset, length)))
 
     def size(self, key: str) -> int | None:
         dirs, name = self._split(key)

@@ -65,6 +65,14 @@ class StorageWrapper(Storage):
         self.inner.zero_copy = value
 
     @property
+    def maps_cached(self) -> bool:
+        return self.inner.maps_cached
+
+    @maps_cached.setter
+    def maps_cached(self, value: bool) -> None:
+        self.inner.maps_cached = value
+
+    @property
     def remote(self) -> bool:
         return self.inner.remote
 
@@ -113,6 +121,9 @@ class StorageWrapper(Storage):
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
         return self.inner.place(key, region, file_offset, dest_offset, length)
+
+    def resident(self, key: str, nbytes: int) -> bool:
+        return self.inner.resident(key, nbytes)
 
     def holding(self, prefix: str):
         return self.inner.holding(prefix)
