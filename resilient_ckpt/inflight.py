@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from . import snapshot
 from .claim import StepClaim
 from .commit import TierWrite
@@ -55,6 +57,7 @@ class SaveRecord:
     waited_s: float = 0.0
     bytes: int = 0
     fresh_bytes: int = 0  # host memory the snapshot faulted in (0 from a warm pool)
+    viewed: bool = False  # the snapshot viewed the state's buffers (snapshot.viewed)
     tiers: dict[str, TierWrite] = dataclasses.field(default_factory=dict)
 
 
@@ -206,6 +209,9 @@ class InFlight:
         if not flight.holders:
             if flight.snap.slab is not None:
                 self._pool.give(flight.snap.slab)
+            if flight.snap.views:  # let the state's buffers go (snapshot.viewed)
+                for c in flight.snap.chunks:
+                    c.data = np.zeros(0, np.uint8)
             if flight.snap.placed is not None:
                 flight.snap.placed.delete()  # the copy on the owning hosts (colocated.py)
             self._held -= flight.need

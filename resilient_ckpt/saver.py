@@ -95,7 +95,7 @@ class Saver:
         except BaseException:
             self._flying.unreserve(need)
             raise
-        rec.bytes, rec.fresh_bytes = snap.nbytes, snap.fresh_bytes
+        rec.bytes, rec.fresh_bytes, rec.viewed = snap.nbytes, snap.fresh_bytes, snap.views
         header = dict(created=time.time(), process_index=peers.rank,
                       process_count=peers.size, metrics=metadata.jsonable(metrics),
                       custom_metadata=metadata.jsonable(custom_metadata))

@@ -4,6 +4,8 @@ snapshot's memory in ahead, in the background (`SaveRecord.fresh_bytes` is
 what a snapshot had to fault in on the training thread)."""
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -45,13 +47,64 @@ def test_a_save_that_is_not_due_warms_the_first_one():
             np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_state(4)["w"]))
 
 
-def test_a_first_call_that_saves_faults_in_and_the_next_save_reuses_it():
+def test_a_first_call_that_saves_views_the_buffers_and_the_next_save_copies():
+    """The first save finds no slab: on CPU devices it holds views of the
+    state's buffers (nothing copied, nothing faulted in on the training
+    thread) and a slab is faulted in for the next one, which copies."""
     with manager(ram_every=2, local_every=None) as mngr:
         assert mngr.save(0, args=ocp.args.StandardSave(_state(0)))
-        assert mngr.save_records[-1].fresh_bytes >= mngr.save_records[-1].bytes
+        rec = mngr.save_records[-1]
+        assert rec.viewed and rec.fresh_bytes == 0 and rec.bytes >= 4 * 2**20
         mngr.wait_until_finished()
+        assert mngr._saver._flying.pool.settled(timeout=60)
         assert mngr.save(2, args=ocp.args.StandardSave(_state(2)))
-        assert mngr.save_records[-1].fresh_bytes == 0  # the first slab, back in the pool
+        rec = mngr.save_records[-1]
+        assert not rec.viewed and rec.fresh_bytes == 0  # the slab faulted in meanwhile
+        mngr.wait_until_finished()
+        for step in (0, 2):
+            got = mngr.restore(step, args=ocp.args.StandardRestore(_abstract(_state(step))))
+            np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_state(step)["w"]))
+
+
+def test_a_viewed_first_save_survives_donation_deletion_and_a_written_numpy_leaf(
+        monkeypatch):
+    """While the first save's views hold the state's buffers, the next step
+    that donates them gets new ones, a deleted array keeps its bytes for the
+    save, and a numpy leaf the caller writes after `save` returned was copied;
+    once written, the buffers are let go (a donation takes them again). The
+    tier writes are held back until the step ran (a slow disk, which cannot
+    be made to order here: FileStorage.put waits on an event)."""
+    from resilient_ckpt.storage.files import FileStorage
+    gate, put = threading.Event(), FileStorage.put
+
+    def slow_put(self, key, data):
+        if "/" in key:  # a step's chunk, not the root's records
+            assert gate.wait(60)
+        return put(self, key, data)
+    step_fn = jax.jit(lambda w: w * 2 + 1, donate_argnums=0)
+    with manager(ram_every=1, local_every=1) as mngr:
+        monkeypatch.setattr(FileStorage, "put", slow_put)
+        state = _state(5)
+        want = {k: np.array(v) for k, v in state.items()}
+        host = np.arange(1000, dtype=np.int32)
+        assert mngr.save(1, args=ocp.args.StandardSave({**state, "host": host}))
+        assert mngr.save_records[-1].viewed
+        host[:] = -1
+        new_w = step_fn(state["w"])
+        new_w.block_until_ready()
+        assert not state["w"].is_deleted()  # a view holds it: not donated
+        state["b"].delete()
+        gate.set()
+        mngr.wait_until_finished()
+        target = {**_abstract(state), "host": np.zeros(1000, np.int32)}
+        got = mngr.restore(1, args=ocp.args.StandardRestore(target))
+        for k, v in want.items():
+            np.testing.assert_array_equal(np.asarray(got[k]), v)
+        np.testing.assert_array_equal(got["host"], np.arange(1000, dtype=np.int32))
+        assert mngr.last_restore.bytes_by_tier.get("ram")
+        step_fn(state["w"]).block_until_ready()
+        assert state["w"].is_deleted()  # the views are gone: donated now
+        del new_w
 
 
 def test_a_restore_warms_the_next_save():
