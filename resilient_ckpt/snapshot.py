@@ -291,7 +291,7 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     sizes, offsets, total = layout or slab_layout(sources)
     if total and not pool.has(total) and viewable(sources):
         pool.warm(total)
-        return viewed(step, save_id, items, sources, sum(sizes))
+        return viewed(step, save_id, items, sources, total)
     for *_, src, _ in sources:  # start every device-to-host transfer before waiting
         if isinstance(src, jax.Array):
             src.copy_to_host_async()
