@@ -60,6 +60,7 @@ class ChunkReader:
         self.budget = max(1, budget)
         self._staging: np.ndarray | None = None
         self._lock = threading.Lock()
+        self._why: dict[tuple[str, str], str] = {}  # (tier, key) -> why that copy failed
         # Whole-chunk reads of one leaf run side by side: preadv and the
         # checksum overlap across chunks (1.4-1.75x on a cold disk here).
         self.pool = cf.ThreadPoolExecutor(4, thread_name_prefix="rc-restore")
@@ -90,7 +91,8 @@ class ChunkReader:
         """Runs read(storage, key) against each copy until one verifies."""
         tried = []
         for tier in self.choice.sources.get(c.key, ()):
-            if (tier, c.key) in self.bad:
+            if (tier, c.key) in self.bad:  # failed before (a mapped run's check, ...)
+                tried.append(f"{tier}: {self._why.get((tier, c.key), 'failed before')}")
                 continue
             st = self.storages[tier]
             try:
@@ -98,7 +100,7 @@ class ChunkReader:
             except (CorruptCheckpointError, StorageError) as e:
                 tried.append(f"{tier}: {e}")
                 self._failed(tier, c.key, f"step {self.choice.step}, {where}: chunk {c.key} "
-                             f"from the {tier} tier failed ({e}); trying the next copy")
+                             f"from the {tier} tier failed ({e}); trying the next copy", str(e))
                 continue
             self._served(tier, c.key, nread)
             return out
@@ -330,10 +332,10 @@ class ChunkReader:
             seg = placed[b0 * bb:min(b1 * bb, c.nbytes)]
             bad = crc32c.bad_block(seg, bb, c.block_crc32c[b0:b1])
             if bad is not None:
-                st = self.storages[tier]
+                why = (f"crc32c mismatch in block {b0 + bad} of "
+                       f"{self.storages[tier].url}/{self.dir}/{c.key}")
                 self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} from the "
-                             f"{tier} tier failed (crc32c mismatch in block {b0 + bad} of "
-                             f"{st.url}/{self.dir}/{c.key}); trying the next copy")
+                             f"{tier} tier failed ({why}); trying the next copy", why)
                 return False
             nread += len(seg)
         self._served(tier, c.key, nread)
@@ -344,9 +346,10 @@ class ChunkReader:
         return next((t for t in self.choice.sources.get(c.key, ())
                      if (t, c.key) not in self.bad), None)
 
-    def _failed(self, tier: str, key: str, msg: str) -> None:
+    def _failed(self, tier: str, key: str, msg: str, why: str) -> None:
         with self._lock:
             self.bad.add((tier, key))
+            self._why[(tier, key)] = why
             self.record.fallbacks.append(msg)
 
     def _served(self, tier: str, key: str, nread: int) -> None:
