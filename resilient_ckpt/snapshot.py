@@ -355,7 +355,7 @@ def _views_pin_buffers() -> bool:
     that donated such buffers would make every snapshot a copy, not corrupt
     one."""
     try:
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]  # this process's: jax.distributed
     except RuntimeError:
         return False
     x = jax.device_put(np.zeros(1024, np.float32), cpu)

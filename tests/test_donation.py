@@ -86,21 +86,27 @@ def test_next_step_donating_the_state_does_not_change_the_snapshot(tmp_path, ram
     local = str(tmp_path / "local")
     state = initial_state()
     saved = {}
-    overlapped = 0
+    overlapped = copied = 0
     with _manager(tmp_path / "ckpt", ram, local) as mngr:
         assert mngr._options.enable_async_checkpointing
         for step in range(6):
             saved[step] = host_copy(state)
             assert mngr.save(step, args=ocp.args.StandardSave(state))
             overlapped += mngr.is_saving_in_progress()
+            viewed = mngr.save_records[-1].viewed  # no warm slab yet: views, not copies
             old = state
-            state = train_step(state)  # donates old's buffers right away
-            assert all(a.is_deleted() for a in old.values()), "donation did not happen"
+            state = train_step(state)  # donates old's buffers right away, if it can
+            if not viewed:  # (views hold the buffers till the tiers are written:
+                # the step then gets new ones; test_first_save.py holds the writes back)
+                assert all(a.is_deleted() for a in old.values()), "donation did not happen"
+                copied += 1
             del old
+            if step == 0:
+                mngr._saver._flying.pool.settled(timeout=60)  # the next saves copy
         jax.block_until_ready(state)
         mngr.wait_until_finished()
         # The saves really ran while later steps overwrote the donated buffers.
-        assert overlapped >= 3
+        assert overlapped >= 3 and copied >= 3, (overlapped, copied)
         assert mngr.all_steps() == list(range(6))
         for step in range(6):
             out = mngr.restore(step, args=ocp.args.StandardRestore(abstract(state)))
