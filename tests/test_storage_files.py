@@ -128,13 +128,18 @@ def test_direct_writes_hold_the_exact_bytes_and_skip_the_page_cache(tmp_path, nb
     assert _cached_pages(tmp_path / "cached" / "2" / "chunk") > 0
 
 
-def test_unaligned_and_small_objects_are_written_through_the_cache(tmp_path):
+@pytest.mark.parametrize("nbytes", [(2 << 20) + 1, (17 << 20) + 4096 + 3])  # 1 and 3 stages
+def test_unaligned_objects_go_past_the_cache_through_a_stage_and_small_ones_through_it(
+        tmp_path, nbytes):
     s = FileStorage(str(tmp_path), "local", direct=True)
-    data = _aligned((2 << 20) + 1)
-    s.put("1/odd", data[1:].data)  # starts one byte past a page: not for O_DIRECT
+    data = _aligned(nbytes + 64)
+    data[:] = np.random.default_rng(nbytes).integers(0, 256, data.size, dtype=np.uint8)
+    s.put("1/odd", data[64:].data)  # 64 bytes into a page, as a jax CPU buffer starts
     s.put("1/small", b"manifest bytes")
-    assert s.read("1/odd") == data[1:].tobytes() and s.read("1/small") == b"manifest bytes"
-    assert _cached_pages(tmp_path / "1" / "odd") > 0
+    assert _cached_pages(tmp_path / "1" / "odd") == 0 and s._direct
+    assert _cached_pages(tmp_path / "1" / "small") > 0
+    assert s.read("1/odd") == data[64:].tobytes() and s.read("1/small") == b"manifest bytes"
+    assert s.size("1/odd") == nbytes
 
 
 @pytest.mark.parametrize("refused", ["open", "write"])

@@ -248,6 +248,9 @@ class FileStorage(_Walker, Storage):
         self._batches: dict[str, durable.Batch] = {}
         self._batch_lock = threading.Lock()
         self._batch_fs: bool | None = None  # whether syncfs serves here; at first save
+        # Staging for O_DIRECT writes of unaligned buffers (direct.py): one per
+        # writing thread at a time, reused while writes go on, dropped after.
+        self._stages = hostmem.BufferPool(8 * odirect.STAGE_BYTES, keep_idle=False)
 
     def _sync_fd(self, fd: int) -> None:
         if self._fsync:
@@ -295,7 +298,7 @@ class FileStorage(_Walker, Storage):
         view = memoryview(data).cast("B")
         fd, direct = self._create(d, name, self._direct and odirect.qualifies(view))
         try:
-            if direct and not odirect.write(fd, view):
+            if direct and not self._write_direct(fd, view):
                 self._direct = False  # an alignment this file system refuses
                 direct = False
             if not direct:
@@ -308,6 +311,15 @@ class FileStorage(_Walker, Storage):
             _unlink_quietly(d, name)
             raise
         os.close(fd)
+
+    def _write_direct(self, fd: int, view: memoryview) -> bool:
+        if odirect.aligned(view):
+            return odirect.write(fd, view)
+        stage = self._stages.take(odirect.STAGE_BYTES)
+        try:
+            return odirect.write(fd, view, stage)
+        finally:
+            self._stages.give(stage)
 
     def _create(self, d: int, name: str, direct: bool) -> tuple[int, bool]:
         """File `name`, created; whether it is open with O_DIRECT."""
