@@ -209,9 +209,10 @@ class InFlight:
         if not flight.holders:
             if flight.snap.slab is not None:
                 self._pool.give(flight.snap.slab)
-            if flight.snap.views:  # let the state's buffers go (snapshot.viewed)
-                for c in flight.snap.chunks:
+            if flight.snap.views:  # let the state's buffers go (snapshot.viewed),
+                for c in flight.snap.chunks:  # and ready a slab for the next save
                     c.data = np.zeros(0, np.uint8)
+                self._pool.warm(flight.snap.nbytes)
             if flight.snap.placed is not None:
                 flight.snap.placed.delete()  # the copy on the owning hosts (colocated.py)
             self._held -= flight.need

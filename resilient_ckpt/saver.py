@@ -294,7 +294,7 @@ class Saver:
             t.storage.close()
         self._io.shutdown(wait=True)
         self._copy.shutdown(wait=True)
-        self._flying.pool.clear()
+        self._flying.pool.close()
 
 
 def route(all_tiers: list[Tier], due: list[Tier], on_owning_hosts: bool

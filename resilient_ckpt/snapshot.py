@@ -14,8 +14,9 @@ holds at most what the host-memory budget lets be in flight.
 On the CPU backend the devices' buffers are host memory already, and jax
 neither donates nor frees a buffer that a numpy view holds. There a save that
 finds no slab ready takes views instead of copies (`viewed`: nothing copied on
-the training thread) and the pool faults a slab in for the next save in the
-background; the views go when the tiers let go of the snapshot.
+the training thread); the views go when the tiers let go of the snapshot, and
+then the pool faults a slab in for the next save in the background (not
+before: faulting in on both cores beside the save's own writes slowed them).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class HostPool:
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._warming: tuple[int, threading.Event] | None = None
+        self._closed = False  # `close`: no more slabs faulted in or kept
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
         """A slab of at least `nbytes`, and whether it is fresh (faulted in now)."""
@@ -74,7 +76,7 @@ class HostPool:
         """Starts faulting in a slab of `nbytes` in the background, unless one
         that size fits is free or on its way; whether it started one."""
         with self._lock:
-            if nbytes <= 0 or self._warming is not None or any(
+            if nbytes <= 0 or self._closed or self._warming is not None or any(
                     len(m) >= nbytes for m in self._free):
                 return False
             self._warming = (nbytes, threading.Event())
@@ -90,7 +92,7 @@ class HostPool:
                         "save (%s)", nbytes, e)
             m = None
         with self._lock:
-            if m is not None:
+            if m is not None and not self._closed:
                 self._free.append(m)
             assert self._warming is not None
             done, self._warming = self._warming[1], None
@@ -104,7 +106,8 @@ class HostPool:
 
     def give(self, m: mmap.mmap) -> None:
         with self._lock:
-            self._free.append(m)
+            if not self._closed:
+                self._free.append(m)
 
     def free_bytes(self) -> int:
         with self._lock:
@@ -118,6 +121,12 @@ class HostPool:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+
+    def close(self) -> None:
+        """Drops every slab, and any being faulted in once it is; warms no more."""
+        with self._lock:
+            self._closed = True
+        self.clear()
 
 
 @dataclasses.dataclass
@@ -286,11 +295,10 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     """Copies every source into one pooled slab (at `layout`, slab_layout's of
     `sources` if given); returns when the copy is done. Where no slab is
     ready and the state's buffers are host memory that views keep safe
-    (`viewable`), the snapshot is `viewed` instead, and a slab is faulted in
-    for the next save in the background."""
+    (`viewable`), the snapshot is `viewed` instead (its release faults a
+    slab in for the next save: InFlight)."""
     sizes, offsets, total = layout or slab_layout(sources)
     if total and not pool.has(total) and viewable(sources):
-        pool.warm(total)
         return viewed(step, save_id, items, sources, total)
     for *_, src, _ in sources:  # start every device-to-host transfer before waiting
         if isinstance(src, jax.Array):
