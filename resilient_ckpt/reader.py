@@ -61,6 +61,7 @@ class ChunkReader:
         self._staging: np.ndarray | None = None
         self._lock = threading.Lock()
         self._why: dict[tuple[str, str], str] = {}  # (tier, key) -> why that copy failed
+        self._resident: dict[tuple[str, str], bool] = {}  # (tier, key) -> maps() said
         # Whole-chunk reads of one leaf run side by side: preadv and the
         # checksum overlap across chunks (1.4-1.75x on a cold disk here).
         self.pool = cf.ThreadPoolExecutor(4, thread_name_prefix="rc-restore")
@@ -292,8 +293,13 @@ class ChunkReader:
         if c.codec != "raw" or tier is None:
             return False
         st = self.storages[tier]
-        return st.zero_copy or (st.maps_cached
-                                and st.resident(f"{self.dir}/{c.key}", c.stored_nbytes))
+        if st.zero_copy or not st.maps_cached:
+            return st.zero_copy
+        known = self._resident.get((tier, c.key))  # asked once a chunk: boxes share chunks
+        if known is None:
+            known = self._resident[(tier, c.key)] = st.resident(f"{self.dir}/{c.key}",
+                                                                 c.stored_nbytes)
+        return known
 
     def _runs_with(self, c: ChunkRecord, extent: tuple) -> bool:
         """Whether chunk `c` can be mapped whole into a run of `extent`."""
