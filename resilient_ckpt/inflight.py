@@ -210,8 +210,9 @@ class InFlight:
             if flight.snap.slab is not None:
                 self._pool.give(flight.snap.slab)
             if flight.snap.views:  # let the state's buffers go (snapshot.viewed),
-                for c in flight.snap.chunks:  # and ready a slab for the next save
-                    c.data = np.zeros(0, np.uint8)
+                empty = np.zeros(0, np.uint8)  # and ready a slab for the next save
+                for c in flight.snap.chunks:
+                    c.data = empty
                 self._pool.warm(flight.snap.nbytes)
             if flight.snap.placed is not None:
                 flight.snap.placed.delete()  # the copy on the owning hosts (colocated.py)
