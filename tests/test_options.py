@@ -1,6 +1,8 @@
 """Options are resolved once, by a pure function, into the per-tier plan."""
 from __future__ import annotations
 
+import os
+
 import orbax.checkpoint as ocp
 from hypothesis import given, strategies as st
 
@@ -32,7 +34,9 @@ def test_plan_follows_the_options(configs, interval, max_to_keep, read_only, cre
             assert t.keep == c.keep  # a RAM tier's own keep, None included
         else:
             assert t.keep == max_to_keep
-        assert (t.own_io is not None) == isinstance(c, GcsTier)
+        assert (t.own_io is not None) == isinstance(c, (GcsTier, RamTier))
+        if isinstance(c, RamTier):  # memory copies: a pool of its own, no wider than the cores
+            assert 1 <= t.own_io <= min(o.io_threads, os.cpu_count() or 1)
         assert t.encoding.codec == getattr(c, "codec", "raw")
     assert plan.writable == (create and not read_only)
 
