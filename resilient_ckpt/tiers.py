@@ -107,8 +107,10 @@ class LocalTier:
     (`save_interval_steps`, `max_to_keep`) and directory.
 
     `direct_io`: chunk files are written with O_DIRECT, past the page cache
-    (faster, and no host memory taken by cached checkpoint bytes); False
-    writes them through the cache, so a restore soon after reads memory.
+    (faster, and no host memory taken by cached checkpoint bytes), and a
+    restore reads big chunk files the cache does not hold the same way;
+    False writes and reads them through the cache, so a restore soon after
+    a save reads memory.
     `map_cached`: a restore maps chunk files the page cache holds whole
     (copy-on-write, as the RAM tier's) instead of copying them into new
     memory; their disk blocks stay allocated while the restored arrays live.

@@ -18,7 +18,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from resilient_ckpt import commit, layout
+from resilient_ckpt import commit, hostmem, layout
 from resilient_ckpt.errors import StorageError
 from resilient_ckpt.storage import FileStorage, direct as direct_mod, durable, files as files_mod
 
@@ -140,6 +140,54 @@ def test_unaligned_objects_go_past_the_cache_through_a_stage_and_small_ones_thro
     assert _cached_pages(tmp_path / "1" / "small") > 0
     assert s.read("1/odd") == data[64:].tobytes() and s.read("1/small") == b"manifest bytes"
     assert s.size("1/odd") == nbytes
+
+
+@pytest.mark.parametrize("nbytes", [4 << 20, (3 << 20) + 123])  # whole blocks, a partial last one
+def test_uncached_objects_are_read_past_the_cache_into_aligned_buffers(tmp_path, nbytes):
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    data = _aligned(nbytes)
+    s.put("1/chunk", data.data)  # written with O_DIRECT: nothing of it cached
+    path = tmp_path / "1" / "chunk"
+    out = hostmem.host_buffer(nbytes)
+    s.read_into("1/chunk", out.data)
+    assert (out == data).all() and s._direct
+    # only the partial last block, if any, went through the cache
+    assert _cached_pages(path) == (1 if nbytes % 4096 else 0)
+    # an unaligned buffer, or a storage without `direct`, reads through it
+    odd = hostmem.host_buffer(nbytes + 64)[64:]
+    s.read_into("1/chunk", odd.data)
+    assert (odd == data).all() and _cached_pages(path) == -(-nbytes // 4096)
+
+
+def test_a_ranged_read_of_an_uncached_object_at_a_block_offset_goes_past_the_cache(tmp_path):
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    data = _aligned(8 << 20)
+    s.put("1/chunk", data.data)
+    out = hostmem.host_buffer(2 << 20)
+    s.read_into("1/chunk", out.data, 4 << 20)
+    assert (out == data[4 << 20:6 << 20]).all()
+    assert _cached_pages(tmp_path / "1" / "chunk") == 0
+
+
+def test_a_refused_direct_read_is_read_through_the_cache(tmp_path, monkeypatch):
+    # A mock: every file system here takes O_DIRECT, so its refusal (EINVAL
+    # when the flag is set on the descriptor) cannot be caused otherwise.
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    data = _aligned(3 << 20)
+    s.put("1/chunk", data.data)
+    real_fcntl = direct_mod.fcntl.fcntl
+
+    def fcntl(fd, cmd, arg=0):
+        if cmd == direct_mod.fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(direct_mod.fcntl, "fcntl", fcntl)
+    out = hostmem.host_buffer(3 << 20)
+    s.read_into("1/chunk", out.data)
+    assert (out == data).all()
+    assert not s._direct  # not tried again on this storage
+    assert _cached_pages(tmp_path / "1" / "chunk") > 0
 
 
 @pytest.mark.parametrize("refused", ["open", "write"])

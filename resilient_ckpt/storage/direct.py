@@ -1,4 +1,4 @@
-"""O_DIRECT file writes: which buffers qualify, and writing one past the page cache.
+"""O_DIRECT file I/O: which buffers qualify, and writing or reading one past the page cache.
 
 A buffered write needs a fresh page-cache page for every 4 KiB it writes; on
 the VMs this runs on, fresh memory is the slowest thing there is
@@ -11,7 +11,8 @@ snapshot.viewed) is copied through a reused, page-aligned staging buffer a
 piece at a time: a copy into touched memory runs at 15-20 GB/s here, a
 buffered write's fresh page-cache pages at 0.5-1 GB/s. A small buffer, or a
 file system that refuses the flag, is written through the cache instead
-(storage/files.py).
+(storage/files.py). Reads of big files the page cache does not hold go
+past it the same way, into the restore's page-aligned buffers.
 """
 from __future__ import annotations
 
@@ -76,3 +77,34 @@ def write(fd: int, view: memoryview, stage: np.ndarray | None = None) -> bool:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~FLAG)
     os.ftruncate(fd, 0)
     return False
+
+
+def readable(view: memoryview, offset: int) -> bool:
+    """Whether `view` (bytes, to be filled from file offset `offset`) can be
+    read past the page cache: big enough, and both on block boundaries."""
+    return qualifies(view) and offset % BLOCK == 0 and aligned(view)
+
+
+def read(fd: int, view: memoryview, offset: int) -> int | None:
+    """Reads the whole blocks of `view` from `fd` at `offset` with O_DIRECT,
+    set on the descriptor for the call (the rest, a partial last block, is
+    the caller's to read through the cache). The bytes read (fewer only at
+    the end of the file), or None where the file system refuses the flag or
+    the alignment (EINVAL): nothing was read then."""
+    whole = len(view) - len(view) % BLOCK
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    pos = 0
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | FLAG)
+        while pos < whole:
+            n = os.preadv(fd, [view[pos:whole]], offset + pos)
+            pos += n
+            if n == 0 or n % BLOCK:
+                break  # the end of the file
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None if pos == 0 else pos
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return pos

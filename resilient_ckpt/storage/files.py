@@ -227,7 +227,8 @@ class FileStorage(_Walker, Storage):
     """Objects as files under `root`; `kind` names it in records ("ram",
     "local"); `zero_copy` maps objects (tmpfs only); `maps_cached` maps those
     the page cache holds whole; `fsync` off on tmpfs; `direct` writes big
-    aligned objects with O_DIRECT (disks only)."""
+    objects with O_DIRECT, and reads big uncached ones into aligned buffers
+    with it (disks only)."""
 
     def __init__(self, root: str, kind: str = "local", *, fsync: bool = True,
                  create: bool = True, zero_copy: bool = False, direct: bool = False,
@@ -385,10 +386,25 @@ class FileStorage(_Walker, Storage):
     # ------------------------------------------------------------ reads
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
+        # With `direct`, a big read into a page-aligned buffer of a file the
+        # page cache does not hold whole goes past the cache: a buffered cold
+        # read takes a fresh page-cache page for every 4 KiB as well as the
+        # caller's buffer, twice the new memory (a cold 4 GB restore: 7.4 s
+        # buffered in a new process, 3.2-3.5 s direct, against 3.0-4.3 s for
+        # a plain cold read into one reused buffer). A cached file is read
+        # from the cache (or mapped: map()).
         fd, _ = self._open_object(key)
         try:
             with self._failing("read of", key):
-                self._pread(fd, key, memoryview(out).cast("B"), offset)
+                view = memoryview(out).cast("B")
+                if self._direct and odirect.readable(view, offset) and not hostmem.cached(
+                        fd, offset + len(view)):
+                    done = odirect.read(fd, view, offset)
+                    if done is None:
+                        self._direct = False  # this file system takes no O_DIRECT
+                    else:
+                        view, offset = view[done:], offset + done
+                self._pread(fd, key, view, offset)
         finally:
             os.close(fd)
 
