@@ -60,12 +60,14 @@ from _common import (
     bench_parser,
     emit,
     emit_summary,
+    files_under,
     make_mesh,
     parse_options,
     peaks_vs_budget,
     prepare,
     proc_kb,
     read_jsonl,
+    read_through,
     same_values,
     settle,
     size_label,
@@ -126,31 +128,6 @@ def drop_caches(paths: list[str]) -> str:
         finally:
             os.close(fd)
     return "fadvise_dontneed"
-
-
-def files_under(d: str) -> list[str]:
-    out = []
-    for root, _, names in os.walk(d):
-        out.extend(os.path.join(root, n) for n in sorted(names))
-    return out
-
-
-def read_through(paths: list[str], buf: np.ndarray | None = None) -> int:
-    """Reads every file sequentially into one reused buffer; returns bytes read."""
-    if buf is None:
-        buf = np.empty(16 << 20, np.uint8)
-    mv, total = memoryview(buf), 0
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            while True:
-                n = os.readv(fd, [mv])
-                if n == 0:
-                    break
-                total += n
-        finally:
-            os.close(fd)
-    return total
 
 
 # ---------------------------------------------------------------- the state
