@@ -13,9 +13,9 @@ the step it says it restored (the state's arithmetic is exact).
 CheckpointManager on the shared directory: it checks the harness (kills,
 fresh jobs, comparisons), and must pass.
 
-Environment: RC_MULTIHOST_TRIALS (kill trials with 2 processes, default 12,
+Environment: RC_MULTIHOST_TRIALS (kill trials with 2 processes, default 8,
 CI's share; the long run in docs/benchmarks.md sets 250), RC_MULTIHOST_TRIALS_4
-(with 4 processes, default 6), RC_MULTIHOST_CONTROL_TRIALS
+(with 4 processes, default 4), RC_MULTIHOST_CONTROL_TRIALS
 (Orbax control, default 3), RC_MULTIHOST_SEED (default 0). Every job has a hard
 timeout (the harness kills it and fails the test).
 """
@@ -38,8 +38,8 @@ from _multihost import (  # noqa: E402  (the harness, beside this file)
     step_dirs,
 )
 
-TRIALS = int(os.environ.get("RC_MULTIHOST_TRIALS", "12"))  # CI's share: 6-10 s a trial
-TRIALS_4 = int(os.environ.get("RC_MULTIHOST_TRIALS_4", "6"))
+TRIALS = int(os.environ.get("RC_MULTIHOST_TRIALS", "8"))  # CI's share: 6-10 s a trial
+TRIALS_4 = int(os.environ.get("RC_MULTIHOST_TRIALS_4", "4"))  # 10-17 s a trial
 CONTROL_TRIALS = int(os.environ.get("RC_MULTIHOST_CONTROL_TRIALS", "3"))
 SEED = int(os.environ.get("RC_MULTIHOST_SEED", "0"))
 JOB_S = 90  # hard timeout of one job
