@@ -118,15 +118,11 @@ class HostPool:
         with self._lock:
             return any(len(m) >= nbytes for m in self._free)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
     def close(self) -> None:
         """Drops every slab, and any being faulted in once it is; warms no more."""
         with self._lock:
             self._closed = True
-        self.clear()
+            self._free.clear()
 
 
 @dataclasses.dataclass
