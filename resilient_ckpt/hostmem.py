@@ -75,22 +75,24 @@ def _madvise(addr: int, length: int) -> int:
     return 0 if _libc.madvise(addr, length, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
-def cached(fd: int, nbytes: int) -> bool:
-    """Whether every page of the first `nbytes` of file `fd` is in the page
-    cache (mincore(2) of a mapping made for the question); False where the
-    file cannot be mapped."""
+def cached(fd: int, nbytes: int, offset: int = 0) -> bool:
+    """Whether every page of the `nbytes` of file `fd` from `offset` is in the
+    page cache (mincore(2) of a mapping made for the question); False where
+    the file cannot be mapped."""
     if nbytes <= 0:
         return False
-    addr = _libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    start = offset - offset % PAGE  # a mapping starts on a page
+    span = nbytes + offset - start
+    addr = _libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if addr in (None, _MAP_FAILED):
         return False
     try:
-        vec = np.empty(-(-nbytes // PAGE), np.uint8)
-        if _libc.mincore(addr, nbytes, vec.ctypes.data) != 0:
+        vec = np.empty(-(-span // PAGE), np.uint8)
+        if _libc.mincore(addr, span, vec.ctypes.data) != 0:
             return False
         return bool((vec & 1).all())
     finally:
-        _libc.munmap(addr, nbytes)
+        _libc.munmap(addr, span)
 
 
 def host_buffer(nbytes: int) -> np.ndarray:

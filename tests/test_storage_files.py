@@ -169,6 +169,26 @@ def test_a_ranged_read_of_an_uncached_object_at_a_block_offset_goes_past_the_cac
     assert _cached_pages(tmp_path / "1" / "chunk") == 0
 
 
+def test_residency_is_asked_of_the_range_read_not_of_the_file_before_it(tmp_path):
+    s = FileStorage(str(tmp_path), "local", direct=True)
+    data = _aligned(8 << 20)
+    s.put("1/chunk", data.data)  # nothing of it cached
+    tail = hostmem.host_buffer((2 << 20) + 64)[64:]  # unaligned: read through the cache
+    s.read_into("1/chunk", tail.data, 6 << 20)
+    assert (tail == data[6 << 20:]).all()
+    fd = os.open(tmp_path / "1" / "chunk", os.O_RDONLY)
+    try:
+        assert hostmem.cached(fd, 2 << 20, 6 << 20)
+        assert hostmem.cached(fd, 1000, (6 << 20) + 100)  # off a page boundary
+        assert not hostmem.cached(fd, 8 << 20) and not hostmem.cached(fd, 4096, 4096)
+    finally:
+        os.close(fd)
+    out = hostmem.host_buffer(2 << 20)  # aligned: the cached range is read from the cache
+    s.read_into("1/chunk", out.data, 6 << 20)
+    assert (out == data[6 << 20:]).all()
+    assert _cached_pages(tmp_path / "1" / "chunk") == 512  # the tail's pages only
+
+
 def test_a_refused_direct_read_is_read_through_the_cache(tmp_path, monkeypatch):
     # A mock: every file system here takes O_DIRECT, so its refusal (EINVAL
     # when the flag is set on the descriptor) cannot be caused otherwise.

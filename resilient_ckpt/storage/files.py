@@ -386,19 +386,19 @@ class FileStorage(_Walker, Storage):
     # ------------------------------------------------------------ reads
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> None:
-        # With `direct`, a big read into a page-aligned buffer of a file the
+        # With `direct`, a big read into a page-aligned buffer of a range the
         # page cache does not hold whole goes past the cache: a buffered cold
         # read takes a fresh page-cache page for every 4 KiB as well as the
         # caller's buffer, twice the new memory (a cold 4 GB restore: 7.4 s
         # buffered in a new process, 3.2-3.5 s direct, against 3.0-4.3 s for
-        # a plain cold read into one reused buffer). A cached file is read
-        # from the cache (or mapped: map()).
+        # a plain cold read into one reused buffer). A cached range is read
+        # from the cache (or mapped whole: map()).
         fd, _ = self._open_object(key)
         try:
             with self._failing("read of", key):
                 view = memoryview(out).cast("B")
                 if self._direct and odirect.readable(view, offset) and not hostmem.cached(
-                        fd, offset + len(view)):
+                        fd, len(view), offset):
                     done = odirect.read(fd, view, offset)
                     if done is None:
                         self._direct = False  # this file system takes no O_DIRECT
