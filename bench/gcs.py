@@ -82,7 +82,7 @@ import numpy as np  # noqa: E402
 from _plot import plot  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from resilient_ckpt.hostmem import host_buffer  # noqa: E402
+from resilient_ckpt.native.hostmem import host_buffer  # noqa: E402
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
 
 log = logging.getLogger("bench.gcs")

@@ -57,7 +57,7 @@ prepare()
 import numpy as np  # noqa: E402
 from save_restore import build_state, set_aside, unique_shards, write_files  # noqa: E402
 
-from resilient_ckpt import layout  # noqa: E402
+from resilient_ckpt.core import layout  # noqa: E402
 from resilient_ckpt.storage import FileStorage, durable  # noqa: E402
 
 

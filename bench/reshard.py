@@ -57,7 +57,12 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier  # noqa: E402
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    LocalTier,
+    RamTier,
+)
 
 log = logging.getLogger("bench.reshard")
 BENCH = "reshard"

@@ -6,7 +6,8 @@ error hierarchy; `training.Checkpointer`, Orbax's v1 training API over the
 same manager. Helpers for users' own tests are in `resilient_ckpt.testing`.
 """
 from . import training  # Orbax's v1 face: resilient_ckpt.training.Checkpointer
-from .commit import TierWrite
+from .compat.metadata import RootMetadata, StepMetadata
+from .core.retention import Retention
 from .elastic import (
     Elastic,
     HealthCheck,
@@ -36,10 +37,10 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .manager import CheckpointManager
-from .metadata import RootMetadata, StepMetadata
-from .options import CheckpointManagerOptions, Plan, Retention, TierPlan
-from .restore import RestoreRecord
-from .saver import SaveRecord, Tier
+from .options import CheckpointManagerOptions, Plan, TierPlan
+from .restore.assemble import RestoreRecord
+from .save.commit import TierWrite
+from .save.saver import SaveRecord, Tier
 from .storage import Storage, StorageWrapper
 from .storage.retry import RetryPolicy
 from .tiers import FsspecTier, GcsTier, LocalTier, RamTier

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import dataclasses
-import errno
 import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import manifest, peer_fill, tierrecord
-from .agree import Peers
-from .catalog import Catalog
+from .catalog.catalog import Catalog
+from .core import manifest
+from .core.selection import Choice
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -39,9 +38,12 @@ from .errors import (
     StorageError,
     TargetMismatchError,
 )
-from .restore import Hole
-from .saver import Saver
-from .selection import Choice
+from .multihost import peer_fill
+from .multihost.agree import Peers
+from .restore.assemble import Hole
+from .restore.loop import restore_alone
+from .save import tierrecord
+from .save.saver import Saver
 
 log = logging.getLogger("resilient_ckpt")
 
@@ -149,7 +151,7 @@ class Coordinator:
         """Restores `step` (None: the newest that works) through `attempt`;
         with several processes, every process on the same step."""
         if not self.peers.many:
-            return self._restore_alone(step, attempt)
+            return restore_alone(self._catalog, self._directory, step, attempt)
         agreed = self._catalog.steps()
         if step is not None and step not in agreed:
             raise StepNotFoundError(f"step {step} has no viable copy in {self._directory} "
@@ -253,48 +255,6 @@ class Coordinator:
                               for q in short])
         return filled
 
-    def _restore_alone(self, step: int | None, attempt: Callable[[Choice], Any]) -> Any:
-        """Restores `step` (None: the newest that works). When the chosen step
-        vanished while being read (a concurrent writer's retention deleted
-        it), the tiers are observed again and the choice made again, at most
-        `_RELOADS` times; a step that is there but damaged falls back to the
-        next older one (step=None) or raises."""
-        reloads = 0
-        while True:
-            try:
-                chosen = _choose(self._catalog, step, self._directory)
-            except StepNotFoundError:
-                # A reload can fall between a writer's deletes and its next
-                # commit: with step=None, look again.
-                if step is not None or not 0 < reloads < _RELOADS:
-                    raise
-                reloads += 1
-                self._catalog.reload()
-                continue
-            try:
-                return attempt(chosen)
-            except (CorruptCheckpointError, StorageError, StepNotFoundError) as e:
-                if reloads < _RELOADS and _gone(e) and self._vanished(chosen):
-                    reloads += 1
-                    log.info("step %d of %s vanished while being restored (deleted by "
-                             "another writer?); choosing again", chosen.step, self._directory)
-                    continue
-                if step is not None or not isinstance(e, CorruptCheckpointError):
-                    raise
-                log.warning("step %d is not restorable (%s); falling back to the next "
-                            "older viable step", chosen.step, e)
-
-    def _vanished(self, chosen: Choice) -> bool:
-        """Observes the tiers again; True if a copy `chosen` relied on is gone
-        from them (the whole step, or one tier's copy), not merely damaged."""
-        self._catalog.reload()
-        again = self._catalog.viable_if_intact().get(chosen.step)
-        if again is None or again.save_id != chosen.save_id:
-            return True
-        return any(set(tiers) - set(again.sources.get(key, ()))
-                   for key, tiers in chosen.sources.items())
-
-
 def _classify_tiers(catalog: Catalog, peers: Peers) -> None:
     """Marks a file tier that every process sees as shared; one that each
     has its own of stays per-host; anything between is an error."""
@@ -325,17 +285,6 @@ def _classify_tiers(catalog: Catalog, peers: Peers) -> None:
                 "every process sees")
 
 
-_RELOADS = 8  # re-observations of the tiers one restore may make
-
-
-def _gone(e: BaseException) -> bool:
-    """Whether a failed read may mean files that vanished: a missing chunk
-    reads as one with no intact copy."""
-    if isinstance(e, StorageError):
-        return e.errno == errno.ENOENT
-    return isinstance(e, (CorruptCheckpointError, StepNotFoundError))
-
-
 def _agreed_failure(errors: list[SaveFailedError], failed: list[tuple[int, str]],
                     index: int, count: int, directory: str) -> SaveFailedError:
     """One error for the failures a job agreed on: this process's own as they
@@ -349,25 +298,6 @@ def _agreed_failure(errors: list[SaveFailedError], failed: list[tuple[int, str]]
         mine = SaveFailedError.listing(errors)
         err.failures, err.__cause__ = mine.failures or (mine,), mine
     return err
-
-
-def _choose(catalog: Catalog, step: int | None, directory: Any) -> Choice:
-    """The choice for `step` (None: the newest viable), or the error that says why not."""
-    choices = catalog.viable()
-    if step is None:
-        if not choices:
-            raise StepNotFoundError(f"no viable step in {directory} "
-                                    f"(tiers: {catalog.names})")
-        return choices[max(choices)]
-    if step not in choices:
-        if step in catalog.viable_if_intact():
-            raise CorruptCheckpointError(
-                f"step {step} in {directory} failed checksum verification "
-                f"in every tier; restore an older step (viable: {sorted(choices)})")
-        raise StepNotFoundError(
-            f"step {step} has no viable copy in any tier of {directory}; "
-            f"viable steps: {sorted(choices)}")
-    return choices[step]
 
 
 class _Abandoned(Exception):

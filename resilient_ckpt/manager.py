@@ -25,17 +25,19 @@ from typing import Any
 
 from etils import epath
 
-from . import args as args_lib, colocated, commit, legacy, metadata, policies, retention, rootmeta
-from .agree import Peers
-from .catalog import Catalog, created_of
+from .catalog.catalog import Catalog, created_of
+from .compat import args as args_lib, metadata, orbax_steps as legacy, rootmeta
 from .coordination import Coordinator
+from .core import policies, retention
+from .core.layout import StepNaming
+from .core.selection import Choice
 from .errors import StepAlreadyExistsError, StepNotFoundError
-from .layout import StepNaming
+from .multihost.agree import Peers
 from .options import CheckpointManagerOptions, resolve
-from .restore import RestoreRecord, restore_choice
-from .saver import Saver, SaveRecord, Tier
-from .selection import Choice
-from .writer_lock import WriterLock
+from .restore.assemble import RestoreRecord, restore_choice
+from .save import cleanup, colocated
+from .save.saver import Saver, SaveRecord, Tier
+from .save.writer_lock import WriterLock
 
 __all__ = ["CheckpointManager", "CheckpointManagerOptions", "SaveRecord"]
 
@@ -273,6 +275,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ lifecycle
 
+    def warm(self, state: Any) -> None:
+        """Starts faulting in, in the background and once, the host memory a
+        save of `state` takes (as a save call that was not due does), so that
+        a fresh job's first save copies into touched memory."""
+        self._saver.warm([state])
+
     def close(self) -> None:
         try:
             self.wait_until_finished()
@@ -291,21 +299,11 @@ class CheckpointManager:
         self.close()
 
 
-def warmed(manager: Any, state: Any) -> Any:
-    """`state`, after one of our managers started faulting in, in the
-    background and once, the host memory a save of it takes (as a save call
-    that was not due does), so that a fresh job's first save copies into
-    touched memory; another manager (Orbax's) is left alone."""
-    if isinstance(manager, CheckpointManager):
-        manager._saver.warm([state])
-    return state
-
-
 def _clean(tiers: list[Tier], naming: StepNaming, process_index: int) -> None:
     """Removes dead writers' leftovers from every tier, beside the program: it
     asks jax nothing (its backend may be shutting down)."""
     for t in tiers:
-        commit.clean_tier(t.storage, naming, getattr(t.plan.config, "orphan_age_s", None),
+        cleanup.clean_tier(t.storage, naming, getattr(t.plan.config, "orphan_age_s", None),
                           process_index)
 
 

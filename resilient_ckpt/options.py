@@ -14,11 +14,11 @@ import os
 from collections.abc import Callable, Container, Sequence
 from typing import Any, Literal
 
-from .layout import StepNaming
+from .core.codec import Encoding
+from .core.layout import StepNaming
+from .core.retention import BestMode, Retention
 from .tiers import FsspecTier, GcsTier, LocalTier, RamTier
-from .transfer import Encoding
 
-BestMode = Literal["min", "max"]
 OverBudget = Literal["wait", "skip"]
 TierConfig = RamTier | LocalTier | GcsTier | FsspecTier
 
@@ -154,20 +154,6 @@ def _orbax_rule(kw: dict[str, Any], interval: Any) -> Any:
                               keep_checkpoints_without_metrics=kw.get(
                                   "keep_checkpoints_without_metrics", True)))
     return cm.AnyPreservationPolicy(rules)
-
-
-@dataclasses.dataclass(frozen=True)
-class Retention:
-    """Orbax's preservation rule, applied to every tier with that tier's `keep`;
-    a preservation `policy` instead, on the tiers it governs."""
-
-    keep_period: int | None = None
-    best_fn: Callable[[Any], float] | None = None
-    best_mode: BestMode = "max"
-    keep_without_metrics: bool = True
-    policy: Any = None  # a preservation policy, for the tiers named in `policy_tiers`
-    policy_tiers: frozenset[str] = frozenset()
-    keep_newest: bool = True  # never delete the newest step (False: Orbax's rule alone)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import os
 import stat
 import tempfile
 
-from .codec import Codec, check as check_codec
+from .core.codec import Codec, check as check_codec
 from .errors import UnsafeDirectoryError
 from .storage import FileStorage, Storage
 from .storage.retry import RetryPolicy

@@ -25,12 +25,12 @@ from orbax.checkpoint.experimental.v1 import training as v1
 from orbax.checkpoint.experimental.v1.training import Checkpointer as _Orbax
 
 from . import errors
-from .args import DEFAULT_ITEM
-from .catalog import created_of
-from .layout import StepNaming
+from .catalog.catalog import created_of
+from .compat.args import DEFAULT_ITEM
+from .core.layout import StepNaming
+from .core.pytree import flatten, leaf_kind
 from .manager import CheckpointManager
 from .options import CheckpointManagerOptions, TierConfig
-from .pytree import flatten, leaf_kind
 
 __all__ = ["Checkpointer", "StepAlreadyExistsError", "StepNotFoundError"]
 

@@ -22,7 +22,7 @@ prints "hook PHASE POINT COUNT" just before. The phases:
   snapshot   snapshot.take (the device-to-host copy)
   chunk      FileStorage.put (a chunk into the RAM or the local tier)
   manifest   FileStorage.put_if_absent (the manifest: the commit record)
-  retention  commit.delete_step (a step dropped by retention); "mid": after
+  retention  tier_steps.delete_step (a step dropped by retention); "mid": after
              its manifests are gone, before the rest of the step is
   upload     GcsStorage.put / put_stream / put_if_absent (GCS chunk or commit)
 
@@ -148,7 +148,8 @@ def _arm_renames() -> None:
 
 def install_hook(phase: str, count: int, point: str, seed: int) -> None:
     """Wraps the library function of `phase` (see the module docstring)."""
-    from resilient_ckpt import commit, snapshot
+    from resilient_ckpt.catalog import tier_steps
+    from resilient_ckpt.save import snapshot
     from resilient_ckpt.storage.files import FileStorage
     from resilient_ckpt.storage.gcs import GcsStorage
     from resilient_ckpt.storage.wrapper import StorageWrapper
@@ -166,7 +167,7 @@ def install_hook(phase: str, count: int, point: str, seed: int) -> None:
         setattr(FileStorage, name, wrapped)
         _arm_renames()
     elif phase == "retention":
-        delete_step = commit.delete_step
+        delete_step = tier_steps.delete_step
 
         class DieAtFlush(StorageWrapper):  # delete_step flushes once the manifests are gone
             def __init__(self, inner, die):
@@ -176,7 +177,7 @@ def install_hook(phase: str, count: int, point: str, seed: int) -> None:
             def flush(self, prefix):
                 self.die()
 
-        commit.delete_step = lambda st, naming, step: hook.run(
+        tier_steps.delete_step = lambda st, naming, step: hook.run(
             lambda: delete_step(st, naming, step),
             mid=lambda die: delete_step(DieAtFlush(st, die), naming, step))
     elif phase == "upload":

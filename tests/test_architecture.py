@@ -1,8 +1,10 @@
-"""The import structure matches docs/architecture.md's floors table.
+"""The import structure matches docs/architecture.md's package table.
 
-Each module may import (at module level or lazily inside a function) only
-modules on lower floors; a package's `__init__` may also import its own
-submodules. Every module of the package has a row, and every row a module.
+Each top-level package (or module) of resilient_ckpt has a floor in the
+table, and a module imports (at module level or lazily inside a function)
+only from its own package or from packages on lower floors. No import cycle
+exists between modules, in the package, in tests/ or in bench/; bench/
+never imports tests/.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "resilient_ckpt"
-ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([\w.]+)`((?:,\s*`[\w.]+`)*)\s*\|")
+ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([\w.]+)/?`((?:,\s*`[\w.]+/?`)*)\s*\|")
 
 
 def floors() -> dict[str, int]:
@@ -21,12 +23,13 @@ def floors() -> dict[str, int]:
     for line in text.splitlines():
         m = ROW.match(line)
         if m:
-            for name in [m.group(2)] + re.findall(r"`([\w.]+)`", m.group(3)):
+            for name in [m.group(2)] + re.findall(r"`([\w.]+)/?`", m.group(3)):
                 out[name] = int(m.group(1))
     return out
 
 
 def modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by dotted name (without `resilient_ckpt.`)."""
     out = {}
     for p in PKG.rglob("*.py"):
         parts = list(p.relative_to(PKG).with_suffix("").parts)
@@ -38,6 +41,8 @@ def modules() -> dict[str, pathlib.Path]:
 
 
 def project_imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The package's modules that module `name` imports (`from .x import y`
+    counts as importing y when y is a module, else x)."""
     is_pkg = path.name == "__init__.py"
     here = name.split(".") if is_pkg else name.split(".")[:-1]
     found = set()
@@ -51,7 +56,6 @@ def project_imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
                 mod = node.module.split(".")[1:]
             else:
                 continue
-            # `from .x import y`: y is a module of its own, or a name in module x
             for a in node.names:
                 sub = ".".join(mod + [a.name])
                 targets.append(sub if sub in known else ".".join(mod))
@@ -62,22 +66,101 @@ def project_imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     return found
 
 
-def test_every_module_has_a_floor_and_every_floor_a_module():
-    table, mods = floors(), modules()
-    assert set(mods) - set(table) == set(), "modules missing from docs/architecture.md"
-    assert set(table) - set(mods) == set(), "rows in docs/architecture.md with no module"
+def top(name: str) -> str:
+    return name.split(".")[0]
 
 
-def test_imports_only_go_down():
-    table, mods = floors(), modules()
-    wrong = []
-    for name, path in mods.items():
-        own_package = path.name == "__init__.py"
-        for dep in project_imports(name, path, set(mods)):
-            if own_package and dep.startswith(name + "."):
-                ok = table[dep] <= table[name]
-            else:
-                ok = table[dep] < table[name]
-            if not ok:
-                wrong.append(f"{name} (floor {table[name]}) imports {dep} (floor {table[dep]})")
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (a list of its nodes, first repeated last),
+    or [] when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str]:
+        state[n] = 1
+        path.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                return path[path.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        path.pop()
+        state[n] = 2
+        return []
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return []
+
+
+def package_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: project_imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_every_package_has_a_floor_and_every_floor_a_package():
+    table = floors()
+    tops = {top(n) for n in modules()}
+    assert tops - set(table) == set(), "packages missing from docs/architecture.md"
+    assert set(table) - tops == set(), "rows in docs/architecture.md with no package"
+
+
+def test_packages_import_only_lower_floors():
+    table, graph = floors(), package_graph()
+    wrong = sorted(f"{name} ({table[top(name)]}) imports {dep} ({table[top(dep)]})"
+                   for name, deps in graph.items() for dep in deps
+                   if top(dep) != top(name) and table[top(dep)] >= table[top(name)])
     assert wrong == []
+
+
+def test_no_import_cycle_between_the_package_modules():
+    graph = package_graph()
+    # a package's __init__ may gather its own submodules' names
+    graph = {n: {d for d in deps if not d.startswith(n + ".")} for n, deps in graph.items()}
+    assert cycle(graph) == []
+
+
+def local_graph(folder: pathlib.Path) -> dict[str, set[str]]:
+    """Imports between the Python files of a script folder (bench/ or tests/,
+    with its sub-packages), by module name relative to that folder."""
+    files = {".".join(p.relative_to(folder).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in folder.rglob("*.py")}
+    out: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = name.split(".")[:-node.level] if path.name != "__init__.py" else \
+                    name.split(".")[:len(name.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names = [mod] + [f"{mod}.{a.name}".strip(".") for a in node.names]
+            else:
+                continue
+            deps |= {n for n in names if n in files and n != name}
+        out[name] = deps
+    return out
+
+
+def test_no_import_cycle_in_tests_or_bench():
+    for folder in (ROOT / "tests", ROOT / "bench"):
+        assert cycle(local_graph(folder)) == [], folder.name
+
+
+def test_bench_does_not_import_tests():
+    offenders = []
+    for p in (ROOT / "bench").rglob("*.py"):
+        text = p.read_text()
+        if re.search(r"""["']tests["']|\bfrom tests\b|\bimport tests\b""", text):
+            offenders.append(p.name)
+    assert offenders == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The checker itself: a cycle planted in a graph is reported."""
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) == []

@@ -12,21 +12,15 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (
-    CheckpointManager,
-    CheckpointManagerOptions,
-    GcsTier,
-    LocalTier,
-    RamTier,
-    layout,
-)
-from resilient_ckpt.tierrecord import RECORD_NAME
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, GcsTier, LocalTier, RamTier
+from resilient_ckpt.core import layout
+from resilient_ckpt.save.tierrecord import RECORD_NAME
 
 BIN = pathlib.Path(sys.executable).with_name("resilient-ckpt")
 
 
 def run(*args, code=0, env=None):
-    cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "resilient_ckpt.tool"]
+    cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "resilient_ckpt.cli.main"]
     p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, **(env or {})))
     assert p.returncode == code, (p.returncode, p.stdout, p.stderr)

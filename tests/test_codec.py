@@ -3,7 +3,7 @@ every frame that does not decode to exactly the manifest's size is refused."""
 import numpy as np
 import pytest
 
-from resilient_ckpt import codec
+from resilient_ckpt.core import codec
 from resilient_ckpt.errors import CorruptCheckpointError
 
 

@@ -27,8 +27,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import resilient_ckpt as rc
-from resilient_ckpt import colocated, layout, manifest as mf
-from resilient_ckpt.sharding import index_to_box
+from resilient_ckpt.core import layout, manifest as mf
+from resilient_ckpt.core.sharding import index_to_box
+from resilient_ckpt.save import colocated
 from resilient_ckpt.storage import FileStorage
 
 HOST_THREADS = "rc-host-io"  # the owning hosts' writer threads (colocated._write_on_host)

@@ -13,8 +13,10 @@ from hypothesis import given, strategies as st
 from test_corruption import device_state
 
 import resilient_ckpt as rc
-from resilient_ckpt import commit, layout, manifest as mf
+from resilient_ckpt.catalog import tier_steps
+from resilient_ckpt.core import layout, manifest as mf
 from resilient_ckpt.errors import CorruptCheckpointError
+from resilient_ckpt.save import commit
 from resilient_ckpt.storage.files import FileStorage
 
 
@@ -39,7 +41,7 @@ def test_a_saves_view_is_the_one_a_reload_reads(tmp_path, monkeypatch):
             f"a save read its own manifest back: {reads}"
         for tier, st in m.catalog.storages().items():
             view = m.catalog.view(tier)[1]
-            fresh = commit.observe_step(st, tier, layout.StepNaming(), 1)
+            fresh = tier_steps.observe_step(st, tier, layout.StepNaming(), 1)
             assert fresh is not None and view.manifests == fresh.manifests, tier
             assert view.sizes == fresh.sizes, tier
             tw = m.save_records[-1].tiers[tier]
@@ -56,7 +58,7 @@ def test_other_processes_manifests_are_still_read(tmp_path):
         st = m.catalog.storages()["local"]
     step_dir = tmp_path / "ckpt" / "1"
     (step_dir / layout.manifest_name(1, 2)).write_bytes(b"not a manifest")
-    seen = commit.observe_step(st, "local", layout.StepNaming(), 1, known=mine)
+    seen = tier_steps.observe_step(st, "local", layout.StepNaming(), 1, known=mine)
     assert seen is not None and len(seen.manifests) == 2
     assert seen.manifests[0] is mine  # taken as it is
     assert isinstance(seen.manifests[1], CorruptCheckpointError)

@@ -29,7 +29,7 @@ from _tiers import flip
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import resilient_ckpt as rc
-from resilient_ckpt import layout, manifest as mf
+from resilient_ckpt.core import layout, manifest as mf
 
 STEPS = (1, 2, 3)
 

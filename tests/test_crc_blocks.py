@@ -19,8 +19,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (CheckpointManager, CheckpointManagerOptions, CorruptCheckpointError,
-                            LocalTier, RamTier, crc32c)
+from resilient_ckpt import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+    CorruptCheckpointError,
+    LocalTier,
+    RamTier,
+)
+from resilient_ckpt.native import crc32c
 
 
 @settings(max_examples=200, deadline=None)

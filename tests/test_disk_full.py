@@ -23,13 +23,8 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (
-    CheckpointManager,
-    CheckpointManagerOptions,
-    LocalTier,
-    SaveFailedError,
-    layout,
-)
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, SaveFailedError
+from resilient_ckpt.core import layout
 
 PAGE = 4096
 

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import resilient_ckpt as rc
-from resilient_ckpt import layout
+from resilient_ckpt.core import layout
 from resilient_ckpt.storage import FileStorage
 
 

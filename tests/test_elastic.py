@@ -28,11 +28,7 @@ import pytest
 from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (
-    CheckpointError,
-    RecoveryFailedError,
-    elastic,
-)
+from resilient_ckpt import CheckpointError, RecoveryFailedError, elastic
 from resilient_ckpt.elastic import (
     Elastic,
     HealthCheck,

@@ -26,8 +26,8 @@ from resilient_ckpt import (
     RetryPolicy,
     SaveFailedError,
     StorageError,
-    layout,
 )
+from resilient_ckpt.core import layout
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 

@@ -9,9 +9,8 @@ import threading
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 from _tiers import manager
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 def _state(seed: float) -> dict:
@@ -137,7 +136,7 @@ def test_a_viewed_save_writes_the_local_tier_past_the_page_cache(tmp_path):
     import os
 
     from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier
-    from resilient_ckpt.hostmem import cached
+    from resilient_ckpt.native.hostmem import cached
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
     w = np.random.default_rng(9).standard_normal((2048, 2048)).astype(np.float32)
     state = {"w": jax.device_put(w, NamedSharding(mesh, P("x", "y")))}  # 2 MiB chunks

@@ -21,8 +21,8 @@ from resilient_ckpt import (
     RetryPolicy,
     SaveFailedError,
     StepAlreadyExistsError,
-    layout,
 )
+from resilient_ckpt.core import layout
 from resilient_ckpt.storage.fsspec_store import FsspecStorage
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 from resilient_ckpt.tiers import FsspecTier
@@ -188,7 +188,7 @@ def test_the_command_line_lists_and_verifies_an_s3_tier(s3, mesh, ram_path, tmp_
         m.wait_until_finished()
     env = dict(os.environ, AWS_ENDPOINT_URL=s3.endpoint, AWS_ACCESS_KEY_ID="testing",
                AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    tool = [sys.executable, "-m", "resilient_ckpt.tool"]
+    tool = [sys.executable, "-m", "resilient_ckpt.cli.main"]
     out = subprocess.run(tool + ["ls", str(tmp_path / "a"), "--json"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr

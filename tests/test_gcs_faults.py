@@ -22,9 +22,8 @@ from resilient_ckpt import (
     GcsTier,
     RamTier,
     RetryPolicy,
-    layout,
-    manifest as mf,
 )
+from resilient_ckpt.core import layout, manifest as mf
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.fake_gcs import FakeGcs
 from resilient_ckpt.testing.gcs_proxy import FaultProxy

@@ -23,9 +23,9 @@ from resilient_ckpt import (
     RetryPolicy,
     SaveFailedError,
     StepAlreadyExistsError,
-    commit,
-    layout,
 )
+from resilient_ckpt.core import layout
+from resilient_ckpt.save import cleanup
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
 
@@ -273,8 +273,8 @@ def test_retention_deletes_manifest_first_and_orphans_are_collected(gcs, url, me
         assert m.all_steps() == [3]
     assert len(st.list("2")) > 0  # ...its young chunks are left (a live writer's, maybe)
     naming = layout.StepNaming()
-    assert commit.collect_orphans(st, naming, min_age_s=3600) == []
-    removed = commit.collect_orphans(st, naming, min_age_s=0)
+    assert cleanup.collect_orphans(st, naming, min_age_s=3600) == []
+    removed = cleanup.collect_orphans(st, naming, min_age_s=0)
     assert removed and st.list("") == ["3"]
 
 

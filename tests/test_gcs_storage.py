@@ -7,7 +7,9 @@ import uuid
 import numpy as np
 import pytest
 
-from resilient_ckpt import RetryPolicy, StorageError, commit, layout
+from resilient_ckpt import RetryPolicy, StorageError
+from resilient_ckpt.catalog import tier_steps
+from resilient_ckpt.core import layout
 from resilient_ckpt.storage.base import READ_SPLIT
 from resilient_ckpt.storage.gcs import GcsStorage, parse_url
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
@@ -151,7 +153,7 @@ def test_finding_steps_lists_manifests_only(gcs, bucket, proxy):
             st.put(f"{s}/deadbeef.c0.0.{i}", memoryview(data(10)))
         st.put_if_absent(f"{s}/manifest.0-of-1.json", b"{}")  # unparsable, still read
     watched = open_store(proxy.endpoint, bucket)
-    seen = commit.observe(watched, "gcs", naming)
+    seen = tier_steps.observe(watched, "gcs", naming)
     assert sorted(seen) == list(range(steps))
     methods = [(m, path.split("?")[0]) for m, path, _ in proxy.log]
     lists = [p for m, p in methods if m == "GET" and p.endswith("/o")]

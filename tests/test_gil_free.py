@@ -12,7 +12,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from resilient_ckpt import crc32c, hostmem
+from resilient_ckpt.native import crc32c, hostmem
 
 
 @pytest.mark.parametrize("n", [0, 1, 9, 64 * 1024 - 1, 64 * 1024, 300_001, 2**22 + 3])

@@ -28,6 +28,7 @@ from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from resilient_ckpt import CorruptCheckpointError
+from resilient_ckpt.core.sharding import index_to_box
 from resilient_ckpt.elastic import (
     Elastic,
     HealthCheck,
@@ -36,7 +37,6 @@ from resilient_ckpt.elastic import (
     hostplan,
     ondevice,
 )
-from resilient_ckpt.sharding import index_to_box
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector, delete_buffers_on
 
 SPECS = {"w": P(("replica", "data"), "model"),   # FSDP-style: sharded along the replica axis

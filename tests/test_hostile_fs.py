@@ -28,7 +28,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import resilient_ckpt as rc
-from resilient_ckpt import commit, layout, manifest as mf
+from resilient_ckpt.core import layout, manifest as mf
+from resilient_ckpt.save import cleanup
 from resilient_ckpt.storage import FileStorage
 
 MANIFEST = layout.manifest_name(0, 1)
@@ -279,7 +280,7 @@ def test_cleanup_goes_on_past_an_entry_it_cannot_remove(tmp_path, caplog):
     os.mkdir(tmp_path / "1" / "0123abcd.c0.0.0")  # a directory named like a chunk
     (tmp_path / "1" / "0123abcd.c0.0.0" / "keep").write_bytes(b"y")
     with caplog.at_level(logging.WARNING, logger="resilient_ckpt"):
-        removed = commit.cleanup(st, layout.StepNaming())
+        removed = cleanup.cleanup(st, layout.StepNaming())
     assert "1/0123abcd.c0.0.1" in removed and "2" in removed
     assert os.listdir(tmp_path / "1") == ["0123abcd.c0.0.0"]
     assert "0123abcd.c0.0.0" in caplog.text

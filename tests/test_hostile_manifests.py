@@ -32,7 +32,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from test_corruption import abstract, assert_exact, device_state
 
 import resilient_ckpt as rc
-from resilient_ckpt import commit, layout, manifest as mf, selection
+from resilient_ckpt.catalog import tier_steps
+from resilient_ckpt.core import layout, manifest as mf, selection
 from resilient_ckpt.errors import StorageError
 from resilient_ckpt.storage.files import FileStorage
 from resilient_ckpt.storage.wrapper import StorageWrapper
@@ -341,15 +342,15 @@ def test_a_step_that_cannot_be_listed_or_asked_shows_its_reason(copy):
 
     def local(chunk=None):
         return _Refusing(FileStorage(copy.roots["local"], "local", create=False), chunk)
-    views = commit.observe(local(), "local", naming)
+    views = tier_steps.observe(local(), "local", naming)
     assert sorted(views) == [1, 2, 3]
     (err,) = views[3].manifests
     assert isinstance(err, rc.CorruptCheckpointError) and "listing refused" in str(err)
     assert all(isinstance(m, mf.Manifest) for s in (1, 2) for m in views[s].manifests)
     assert selection.viable({s: [v] for s, v in views.items()}, ["local"]).keys() == {1, 2}
-    key = sorted(commit.observe(FileStorage(copy.roots["local"], "local", create=False), "local",
+    key = sorted(tier_steps.observe(FileStorage(copy.roots["local"], "local", create=False), "local",
                                 naming)[3].sizes)[0]
-    asked = commit.observe(local(key), "local", naming)
+    asked = tier_steps.observe(local(key), "local", naming)
     assert asked[3].sizes[key] is None  # no usable copy of that chunk here
     assert selection.viable({s: [v] for s, v in asked.items()}, ["local"]).keys() == {1, 2}
 

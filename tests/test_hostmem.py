@@ -7,7 +7,7 @@ import weakref
 
 import numpy as np
 
-from resilient_ckpt import hostmem
+from resilient_ckpt.native import hostmem
 
 
 def _mapping(buf: np.ndarray) -> mmap.mmap:

@@ -9,14 +9,9 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import (
-    CheckpointManager,
-    CheckpointManagerOptions,
-    LocalTier,
-    RamTier,
-    interop,
-    layout,
-)
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
+from resilient_ckpt.cli import interop
+from resilient_ckpt.core import layout
 from resilient_ckpt.errors import StepNotFoundError
 
 

@@ -11,7 +11,7 @@ SIGKILL, in one of these ways, in turn:
   snapshot, chunk, manifest, retention, upload
              the child kills itself at a random point of that phase: on a
              random call of the library function the phase runs (snapshot.take,
-             a chunk put, the manifest's create-only put, commit.delete_step, a
+             a chunk put, the manifest's create-only put, tier_steps.delete_step, a
              GCS upload), before, during or after it (tests/_saver.py says
              where exactly). This self-kill hook is the one simulated part: a
              kill from outside cannot be aimed at a phase that lasts a
@@ -61,7 +61,7 @@ import numpy as np
 import pytest
 
 import resilient_ckpt as rc
-from resilient_ckpt import layout
+from resilient_ckpt.core import layout
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.fake_gcs import FakeGcs
 

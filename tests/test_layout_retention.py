@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from resilient_ckpt import layout, retention
+from resilient_ckpt.core import layout, retention
 
 
 @pytest.mark.parametrize("prefix,length,step,name", [

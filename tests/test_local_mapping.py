@@ -21,7 +21,7 @@ from resilient_ckpt import (
     CorruptCheckpointError,
     LocalTier,
 )
-from resilient_ckpt.hostmem import cached
+from resilient_ckpt.native.hostmem import cached
 from resilient_ckpt.storage.files import FileStorage
 
 

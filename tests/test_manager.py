@@ -22,8 +22,8 @@ from resilient_ckpt import (
     SaveFailedError,
     StepNotFoundError,
     TargetMismatchError,
-    commit,
 )
+from resilient_ckpt.save import commit
 
 
 def make_state(mesh, seed=0):

@@ -5,8 +5,9 @@ import json
 import google_crc32c
 import pytest
 
-from resilient_ckpt import CorruptCheckpointError, UnsupportedFormatError, manifest as mf
-from resilient_ckpt.strictjson import MAX_VALUE_DEPTH
+from resilient_ckpt import CorruptCheckpointError, UnsupportedFormatError
+from resilient_ckpt.core import manifest as mf
+from resilient_ckpt.core.strictjson import MAX_VALUE_DEPTH
 
 TRAILER = b',"manifest_crc32c":'
 NAMED = {"type": "named", "axis_names": ["x", "y"], "mesh_shape": [2, 1],

@@ -22,7 +22,8 @@ from _tiers import flip  # noqa: E402
 from test_parity import NS, OURS, P, _mesh, assert_same_tree, run_both  # noqa: E402
 
 import resilient_ckpt as rc  # noqa: E402
-from resilient_ckpt import layout, manifest, rootmeta  # noqa: E402
+from resilient_ckpt.compat import rootmeta
+from resilient_ckpt.core import layout, manifest  # noqa: E402
 
 PH = ocp.PLACEHOLDER
 ROOT_FILE = os.path.join("metadata", "_ROOT_METADATA")

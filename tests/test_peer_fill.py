@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from resilient_ckpt import peer_fill
+from resilient_ckpt.multihost import peer_fill
 
 
 @pytest.fixture(scope="module")

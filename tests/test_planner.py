@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from resilient_ckpt import layout, planner
-from resilient_ckpt.manifest import ChunkRecord
-from resilient_ckpt.sharding import box_to_slices, index_to_box
+from resilient_ckpt.core import layout, planner
+from resilient_ckpt.core.manifest import ChunkRecord
+from resilient_ckpt.core.sharding import box_to_slices, index_to_box
 
 
 def grid_chunks(shape, splits):

@@ -29,11 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _relaunch import prepare  # noqa: E402  (the worker, beside this file)
 
 from resilient_ckpt.elastic import jobenv  # noqa: E402
-from resilient_ckpt.elastic.supervisor import (  # noqa: E402
-    Supervisor,
-    SupervisorError,
-    format_relaunches,
-)
+from resilient_ckpt.elastic.supervisor import Supervisor, SupervisorError, format_relaunches
 
 STEPS, LOCAL_EVERY, KILL_AFTER = 16, 4, 6
 

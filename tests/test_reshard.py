@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
-from resilient_ckpt.restore import ChunkReader, RestoreRecord, _read_boxes
-from resilient_ckpt.sharding import index_to_box
+from resilient_ckpt.core.sharding import index_to_box
+from resilient_ckpt.restore.assemble import ChunkReader, RestoreRecord, _read_boxes
 
 DEVICES = jax.devices()
 STEP = itertools.count()

@@ -9,9 +9,9 @@ import random
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from resilient_ckpt import manifest as mf
+from resilient_ckpt.core import manifest as mf
+from resilient_ckpt.core.selection import TierStep, last_viable, viable
 from resilient_ckpt.errors import CorruptCheckpointError
-from resilient_ckpt.selection import TierStep, last_viable, viable
 
 TIERS = ("ram", "local")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from resilient_ckpt.shares import WHOLE, Share, agree, box_report, covered, unsettled
+from resilient_ckpt.core.shares import WHOLE, Share, agree, box_report, covered, unsettled
 
 TIERS = ["ram", "local", "gcs"]
 
@@ -74,9 +74,9 @@ def test_readable_uses_every_copy_of_a_process_manifest():
     """A per-host tier's copy of a manifest lists a replica chunk too; the
     shared tier's copy does not. Both contribute: the chunk whose RAM copy
     failed is still read from the shared tier, and the replica from RAM."""
-    from resilient_ckpt import manifest as mf
-    from resilient_ckpt.selection import TierStep
-    from resilient_ckpt.shares import readable
+    from resilient_ckpt.core import manifest as mf
+    from resilient_ckpt.core.selection import TierStep
+    from resilient_ckpt.core.shares import readable
 
     def chunk(row):
         return mf.ChunkRecord((row,), (2,), f"00000000.c0.0.{row}", 8, 8, row)
@@ -186,8 +186,8 @@ def test_the_second_round_is_asked_only_for_saves_that_may_need_it():
 
 
 def _tier_step(tier, process, count, rows, sizes_of=None):
-    from resilient_ckpt import manifest as mf
-    from resilient_ckpt.selection import TierStep
+    from resilient_ckpt.core import manifest as mf
+    from resilient_ckpt.core.selection import TierStep
 
     def chunk(row):
         return mf.ChunkRecord((row, 0), (1, 3), f"00000000.c0.{row}.0", 12, 12, row)
@@ -215,7 +215,7 @@ def test_job_view_counts_a_save_whose_boxes_the_processes_hold_together():
     unagreed, the second round's boxes make it agreed, on every process."""
     import json
 
-    from resilient_ckpt.catalog import JobView
+    from resilient_ckpt.catalog.catalog import JobView
     sid = "s" * 32
     obs = [{5: [_tier_step("ram", q, 3, rows)]} for q, rows in ((0, [0, 1]), (2, [2, 3]))]
     shares_ = [Share(5, sid, q, 3, "ram", 1.0).to_json() for q in (0, 2)]

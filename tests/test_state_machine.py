@@ -35,7 +35,8 @@ from hypothesis.stateful import (
 )
 
 import resilient_ckpt as rc
-from resilient_ckpt import claim, layout, manifest as mf
+from resilient_ckpt.core import layout, manifest as mf
+from resilient_ckpt.save import claim
 
 TIERS = ("ram", "local")
 LONG = os.environ.get("RC_LONG") == "1"

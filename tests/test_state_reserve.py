@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import Elastic
 from resilient_ckpt.elastic.state import StateReserve, retarget, standard_restore, standard_save
-from resilient_ckpt.restore import Into
+from resilient_ckpt.restore.assemble import Into
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
 
 ROWS, COLS = 4096, 128  # 2 MiB of uint32 per table: above the reserve's threshold

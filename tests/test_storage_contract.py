@@ -10,7 +10,8 @@ import uuid
 import numpy as np
 from tqdm import tqdm
 
-from resilient_ckpt import RetryPolicy, progress
+from resilient_ckpt import RetryPolicy
+from resilient_ckpt.restore import progress
 from resilient_ckpt.storage import FileStorage, Storage, StorageWrapper
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.storage_contract import StorageContract

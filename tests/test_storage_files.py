@@ -18,8 +18,11 @@ import tempfile
 import numpy as np
 import pytest
 
-from resilient_ckpt import commit, hostmem, layout
+from resilient_ckpt.catalog import tier_steps
+from resilient_ckpt.core import layout
 from resilient_ckpt.errors import StorageError
+from resilient_ckpt.native import hostmem
+from resilient_ckpt.save import cleanup
 from resilient_ckpt.storage import FileStorage, direct as direct_mod, durable, files as files_mod
 
 
@@ -52,7 +55,7 @@ def test_cleanup_removes_dead_leftovers_and_spares_live_and_committed(tmp_path):
     os.makedirs(tmp_path / "6" / "default")
     (tmp_path / "6" / "_CHECKPOINT_METADATA").write_text("{}")
     (tmp_path / "6" / "default" / "ocdbt.process_0").write_text("x")
-    removed = commit.cleanup(s, naming)
+    removed = cleanup.cleanup(s, naming)
     assert sorted(os.listdir(tmp_path)) == ["2", "3", "5", "6"]
     assert sorted(os.listdir(tmp_path / "6")) == ["_CHECKPOINT_METADATA", "default"]
     assert sorted(os.listdir(tmp_path / "3")) == ["0123abcd.c0.0.0", "manifest.0-of-1.json"]
@@ -76,7 +79,7 @@ def test_cleanup_removes_a_dead_writers_temporary_at_the_root(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     s.put("3/0123abcd.c0.0.0", b"x")
     assert s.put_if_absent("3/manifest.0-of-1.json", b"{}")
-    removed = commit.cleanup(s, layout.StepNaming())
+    removed = cleanup.cleanup(s, layout.StepNaming())
     assert removed == [dead_tmp]
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["3", live_tmp, other, ".rc-tiers.json", "notes.txt"])
@@ -88,7 +91,7 @@ def test_delete_step_removes_manifest_first(tmp_path, monkeypatch):
     s.put_if_absent("7/manifest.0-of-1.json", b"{}")
     order = []
     monkeypatch.setattr(s, "delete", lambda key: (order.append(key), os.unlink(tmp_path / key)))
-    commit.delete_step(s, layout.StepNaming(), 7)
+    tier_steps.delete_step(s, layout.StepNaming(), 7)
     assert order == ["7/manifest.0-of-1.json"]
     assert not os.path.exists(tmp_path / "7")
 

@@ -259,8 +259,8 @@ def test_a_mesh_for_the_survivors_keeps_every_whole_row(mesh):
 
 
 def test_survivors_checks_and_the_managers_labels(mesh):
-    from resilient_ckpt.agree import Peers
     from resilient_ckpt.elastic import survivors
+    from resilient_ckpt.multihost.agree import Peers
     assert survivors.mesh_problem(mesh, [0]) is None
     assert "process 0" in survivors.mesh_problem(mesh, [1, 2])
     assert "[1]" in survivors.mesh_problem(mesh, [0, 1])   # process 1 has no device in it

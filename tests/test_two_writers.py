@@ -28,7 +28,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import resilient_ckpt as rc
-from resilient_ckpt import claim, commit, layout, manifest as mf
+from resilient_ckpt.core import layout, manifest as mf
+from resilient_ckpt.save import claim, cleanup
 from resilient_ckpt.storage import FileStorage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -212,7 +213,7 @@ def test_dead_writers_claim_is_cleaned_or_taken_over(tmp_path):
     for step, who in ((1, dead), (2, live), (3, dead)):
         st.put_if_absent(f"{step}/{key}", claim.encode("old", who))
     st.put_if_absent(f"3/{layout.manifest_name(0, 1)}", b"{}")  # step 3 is committed
-    removed = commit.cleanup(st, NAMING)
+    removed = cleanup.cleanup(st, NAMING)
     assert f"1/{key}" in removed and not os.path.exists(str(tmp_path / "local" / "1"))
     assert claim.read(st, f"2/{key}") is not None  # a live writer's claim stays
     assert claim.read(st, f"3/{key}") is not None  # a committed step keeps its claim

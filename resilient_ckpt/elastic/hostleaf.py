@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ..sharding import box_elements, index_to_box
+from ..core.sharding import box_elements, index_to_box
 from . import hostplan
 from .hostplan import Copy, LeafRecord
 

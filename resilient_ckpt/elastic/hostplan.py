@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-from ..sharding import Box, box_elements, intersect, relative
+from ..core.sharding import Box, box_elements, intersect, relative
 
 Checksum = tuple[int, int]
 Copy = tuple[int, int, int]          # (leaf index, block index, device id)

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from ..core.sharding import Box, index_to_box
 from ..errors import CorruptCheckpointError, TargetMismatchError
-from ..sharding import Box, index_to_box
 from . import hostplan, ondevice
 from .hostplan import Copy, LeafRecord
 

@@ -55,7 +55,6 @@ import jax
 from jax.sharding import Mesh
 
 from ..errors import RecoveryFailedError
-from ..manager import warmed
 from . import survivors
 from .devices import drop_arrays, wait_for_mesh
 from .failures import HealthCheck, HealthFn, is_recoverable, named_lost, warm_up
@@ -229,7 +228,10 @@ class Elastic:
             if init is None:
                 raise ValueError(f"nothing to restore in {self.manager.directory} and no "
                                  "init given: pass init= to Elastic.restore")
-            state, step, tiers = warmed(self.manager, init()), init_step, {}
+            state, step, tiers = init(), init_step, {}
+            warm = getattr(self.manager, "warm", None)  # ours; Orbax's manager has none
+            if warm is not None:
+                warm(state)
         else:
             target = abstract if args is not None else self.reserve.target(abstract, self.mesh)
             state, step, tiers = restore_latest(self.manager, target, args)

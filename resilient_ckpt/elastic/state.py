@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ..restore import Into
+from ..restore.assemble import Into
 from .mesh import mesh_ids, mesh_key
 from .protocol import ManagerLike
 

@@ -47,9 +47,10 @@ import threading
 
 import numpy as np
 
-from .. import hostmem, layout
+from ..core import layout
+from ..core.layout import Writer
 from ..errors import StorageError
-from ..layout import Writer
+from ..native import hostmem
 from . import direct as odirect, durable
 from .base import Storage, check_size
 

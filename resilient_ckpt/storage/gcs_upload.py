@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import crc32c
 from ..errors import StorageError
+from ..native import crc32c
 from .base import ours_already
 from .retry import Transient
 

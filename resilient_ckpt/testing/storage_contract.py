@@ -290,7 +290,7 @@ class StorageContract(_ObjectContract):
         assert np.array_equal(view[10:], data[10:]) and not view[:10].any()
 
     def test_place_is_copy_on_write_where_zero_copy(self, storage):
-        from ..hostmem import PAGE, Region
+        from ..native.hostmem import PAGE, Region
         data = payload(2 * PAGE, 4)
         storage.put("2/b", data.data)
         region = Region(2 * PAGE)

@@ -1,0 +1,401 @@
+"""The catalog: what each tier holds, and which steps are viable, as this
+process knows it.
+
+It keeps one view per tier (step -> `TierStep`, from `tier_steps.observe` at open
+and on `reload`, then updated after each of this process's own commits and
+deletes), the (tier, chunk) copies known to fail their checksums, the steps
+Orbax itself wrote in the manager's directory, the metrics of steps still in
+flight, and a cache of `selection.viable` over all of it. Retention's choice of
+what a tier may delete is made here, from the same views.
+
+With several processes, a process's views are only its own part of the
+picture (its per-host tiers hold only its shares), so the answers every
+process must give alike (which steps exist and are in flight, which a tier
+keeps) come from a `JobView`: the shares every process reported at the last
+`agree`, a collective made at open, `reload`, each started save, each
+restore and `wait_until_finished`. Between two of them the answers do not
+change, whatever the background writes do, so no process can branch on a
+view the others do not share.
+
+Locking, in one place: a single lock guards every field above. It is held only
+for reads and updates of those fields and for the pure selection over them,
+never across storage I/O (`reload` lists the tiers first, then swaps the views
+in), and nothing is called out of the catalog while it is held, so callers may
+hold locks of their own when they call in (the save machinery does).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..compat import orbax_steps as legacy
+from ..core import retention, selection, shares
+from ..core.layout import StepNaming
+from ..core.manifest import Manifest
+from ..core.retention import Retention
+from ..multihost.agree import Peers
+from ..storage.base import Storage
+from . import tier_steps
+
+
+class JobView:
+    """What every process reported at one agreement, decided alike everywhere:
+    the shares, and (only when some saves newer than every agreed step are
+    `unsettled`) the boxes of a second round, `cover`."""
+
+    def __init__(self, views: Sequence[dict]):
+        self._reports = [[shares.Share.from_json(v) for v in x["shares"]] for x in views]
+        self.steps = shares.agree(self._reports)
+        self.pending: set[int] = set().union(*(set(x["pending"]) for x in views))
+        self.errors = [(q, e) for q, x in enumerate(views) for e in x["errors"]]
+        self._orbax = set.intersection(*(set(x["orbax"]) for x in views))
+        self.orbax = self._orbax - set(self.steps)
+        # Saves no share rule counted, for the second round (`cover`).
+        self.unsettled = shares.unsettled(self._reports, self.steps, self.pending)
+
+    def cover(self, views: Sequence[dict]) -> None:
+        """Adds the unsettled saves that the boxes every process can read
+        (`shares.box_report`, exchanged in a second round) tile together."""
+        boxes = [x["boxes"] for x in views]
+        for step, a in shares.covered(self._reports, self.unsettled, boxes).items():
+            self.steps.setdefault(step, a)  # unsettled steps are newer than every agreed one
+        self.orbax = self._orbax - set(self.steps)
+
+    def complete_in(self, tier: str) -> list[int]:
+        """Steps that `tier` holds every process's share of, oldest first."""
+        return sorted(s for s, a in self.steps.items() if tier in a.complete_in)
+
+    def doomed(self, tier: str, own: set[int], keep: int | None, rule: Retention,
+               metrics: dict[int, Any], pinned: frozenset[int],
+               times: dict[int, float] | None = None) -> list[int]:
+        """Retention from the agreed view, so every host keeps the same steps:
+        only steps the tier holds every share of take slots; the newest such
+        step and the newest viable one are kept (unless `rule.keep_newest`
+        is False). Leftovers this host holds of
+        steps older than every kept one (a save a peer never finished) go too,
+        which bounds a per-host tier. `own`: the steps this host's copy of the
+        tier holds; `pinned`: steps an upload here still reads; `times`: when
+        each step's save started (for a preservation policy)."""
+        complete = self.complete_in(tier)
+        protected = frozenset((({max(self.steps)} if self.steps else set())
+                               | ({complete[-1]} if complete else set()))
+                              if rule.keep_newest else ())
+        doomed = set(_to_delete(tier, complete, keep, rule, metrics, protected, times))
+        kept = [s for s in complete if s not in doomed]
+        if keep is not None and kept:
+            doomed |= {s for s in own if s < kept[0] and s not in self.steps
+                       and s not in self.pending}
+        return sorted((doomed & own) - pinned)
+
+
+class Catalog:
+    """Tier views, bad copies and Orbax steps; `viable()` merges them."""
+
+    def __init__(self, tiers: Sequence[tuple[str, Storage]], naming: StepNaming,
+                 directory: str, home: Storage | None, peers: Peers):
+        self._tiers = list(tiers)  # (name, storage), fastest first
+        self.naming = self._naming = naming  # step directory names
+        self._directory, self._home = directory, home
+        self.peers = peers
+        self._job = JobView([_empty_view()])
+        self._whole: dict[tuple[int, str, int], shares.Share | None] = {}
+        self._lock = threading.Lock()
+        self._views: dict[str, dict[int, selection.TierStep]] = {}
+        self._orbax: set[int] = set()
+        self._bad: set[tuple[str, str]] = set()
+        self._cache: dict[int, selection.Choice] | None = None
+        self._memo: dict = {}  # selection.viable's, per step: unchanged steps not judged again
+        self._in_flight: dict[int, tuple[float, Any]] = {}  # step -> (created, metrics)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self._tiers]
+
+    def storages(self) -> dict[str, Storage]:
+        return dict(self._tiers)
+
+    @property
+    def home(self) -> Storage | None:
+        """The local tier at the manager's directory, where Orbax steps may be."""
+        return self._home
+
+    # ------------------------------------------------------------ reading tiers
+
+    def reload(self) -> None:
+        """Re-reads every tier (steps written by other processes appear)."""
+        views = {n: tier_steps.observe(st, n, self._naming) for n, st in self._tiers}
+        orbax = legacy.orbax_steps(self._home, self._naming) if self._home else set()
+        with self._lock:
+            self._views = views
+            self._orbax = orbax - {s for v in views.values() for s in v}
+            self._cache = None
+
+    def committed(self, tier: str, storage: Storage, m: Manifest) -> None:
+        """Updates `tier`'s view with a manifest this process just committed."""
+        if storage.sizes_from_manifest and not (storage.shared and m.process_count > 1
+                                                and self.peers.index == 0):
+            # Our own manifest is all we need to know: reading every process's
+            # back after every upload would cost hosts x hosts requests per step.
+            with self._lock:
+                old = self._views.get(tier, {}).get(m.step)
+            others = tuple(x for x in (old.manifests if old else ())
+                           if not (getattr(x, "process_index", None) == m.process_index
+                                   and getattr(x, "save_id", None) == m.save_id))
+            ts: selection.TierStep | None = tier_steps.tier_step(tier, others + (m,))
+        else:  # a file tier, or process 0 of a shared remote one (it runs retention
+            # there): the step's other manifests are read, ours taken as written
+            ts = tier_steps.observe_step(storage, tier, self._naming, m.step, known=m)
+        with self._lock:
+            if ts is not None:
+                self._views.setdefault(tier, {})[m.step] = ts
+            self._cache = None
+
+    def delete(self, tier: str, storage: Storage, step: int) -> None:
+        """Forgets `step` in `tier` and deletes it there (on a shared tier only
+        process 0 deletes); a failed delete puts it back (it may be whole)."""
+        with self._lock:
+            views, self._cache = self._views, None
+            old = views.get(tier, {}).pop(step, None)
+        if storage.shared and self.peers.index != 0:
+            return
+        try:
+            tier_steps.delete_step(storage, self._naming, step)
+        except BaseException:
+            with self._lock:
+                if old is not None and self._views is views:  # no reload meanwhile
+                    views.setdefault(tier, {}).setdefault(step, old)
+                    self._cache = None
+            raise
+
+    def add_bad(self, pairs: Iterable[tuple[str, str]]) -> None:
+        """(tier, chunk key) copies that failed a read: never selected again."""
+        with self._lock:
+            new = set(pairs) - self._bad
+            if new:
+                self._bad |= new
+                self._cache = None
+
+    def bad(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return set(self._bad)
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._cache = None
+
+    # ------------------------------------------------------------ what is viable
+
+    def _observations(self) -> dict[int, list[selection.TierStep]]:
+        merged: dict[int, list[selection.TierStep]] = collections.defaultdict(list)
+        for name, _ in self._tiers:
+            for step, ts in self._views.get(name, {}).items():
+                merged[step].append(ts)
+        return merged
+
+    def viable(self) -> dict[int, selection.Choice]:
+        """Every viable step of ours, with where to read each chunk (cached)."""
+        with self._lock:
+            if self._cache is None:
+                self._cache = selection.viable(self._observations(), self.names,
+                                               frozenset(self._bad), self._memo)
+            return self._cache
+
+    def viable_if_intact(self) -> dict[int, selection.Choice]:
+        """What would be viable if no copy had failed its checksum."""
+        with self._lock:
+            return selection.viable(self._observations(), self.names)
+
+    def view(self, tier: str) -> dict[int, selection.TierStep]:
+        with self._lock:
+            return dict(self._views.get(tier, {}))
+
+    def orbax_steps(self) -> set[int]:
+        """Steps Orbax wrote in the directory (read-only to us); with several
+        processes, those every process sees."""
+        with self._lock:
+            return set(self._job.orbax if self.peers.many else self._orbax)
+
+    def delete_orbax(self, step: int) -> None:
+        """Deletes a step Orbax wrote (they are only ever found in the home tier)."""
+        assert self._home is not None
+        self._home.delete_dir(self._naming.name(step))
+        with self._lock:
+            self._orbax.discard(step)
+
+    # ------------------------------------------------------------ many processes
+
+    def steps(self) -> set[int]:
+        """The viable steps: this process's own answer with one process, the
+        agreed one (the same on every process) with several."""
+        if self.peers.many:
+            with self._lock:
+                return set(self._job.steps)
+        return set(self.viable())
+
+    def pending_anywhere(self) -> set[int]:
+        """Steps some process was still writing at the last agreement."""
+        with self._lock:
+            return set(self._job.pending)
+
+    def choice(self, step: int) -> selection.Choice | None:
+        """Where this process reads `step` from (None: not viable, or, with
+        several processes, nothing of it readable here)."""
+        if not self.peers.many:
+            return self.viable().get(step)
+        with self._lock:
+            agreed = self._job.steps.get(step)
+            views = [v[step] for v in self._views.values() if step in v]
+            bad = frozenset(self._bad)
+        if agreed is None:
+            return None
+        return shares.readable(views, self.names, bad, step, agreed.save_id)
+
+    def agree(self, what: str, pending: set[int], errors: Sequence[str],
+              extra: dict | None = None) -> list[dict]:
+        """Exchanges this process's view with every other's (a collective) and
+        keeps what they decide together; returns every process's view."""
+        shared = {n for n, st in self._tiers if st.shared}
+        with self._lock:
+            obs, bad = self._observations(), frozenset(self._bad)
+            orbax = sorted(self._orbax)
+        self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
+        mine = _reported(obs, bad, shared, self.peers, self._whole, self.names)
+        view = dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
+                    errors=list(errors), orbax=orbax, **(extra or {}))
+        views = self.peers.exchange(what, view)
+        job = JobView(views)
+        if job.unsettled:  # decided from exchanged data: every process asks, or none
+            report = shares.box_report(obs, self.names, bad, job.unsettled)
+            job.cover(self.peers.exchange(f"{what} (boxes of saves no share makes whole)",
+                                          {"boxes": report}))
+        with self._lock:
+            self._job = job
+        return views
+
+    def forget(self, step: int) -> None:
+        """Drops a deleted step from the agreed view too (delete is collective)."""
+        with self._lock:
+            self._job.steps.pop(step, None)
+
+    def agreed_errors(self) -> list[tuple[int, str]]:
+        """(process, message) of background failures reported at the last agreement."""
+        with self._lock:
+            return list(self._job.errors)
+
+    # ------------------------------------------------------------ metrics
+
+    def note_in_flight(self, step: int, created: float, metrics: Any) -> None:
+        with self._lock:
+            self._in_flight[step] = (created, metrics)
+
+    def forget_in_flight(self, step: int) -> None:
+        with self._lock:
+            self._in_flight.pop(step, None)
+
+    def metrics_of(self, step: int) -> Any:
+        if step in self.orbax_steps():
+            return legacy.metrics(self._directory, self._naming, step)
+        c = self.choice(step)
+        if c is not None:
+            return c.manifest.metrics
+        with self._lock:
+            return self._in_flight.get(step, (0.0, None))[1]
+
+    # ------------------------------------------------------------ retention
+
+    def doomed(self, tier: str, keep: int | None, rule: Retention,
+               pinned: frozenset[int]) -> list[int]:
+        """The steps `tier` should delete now under `rule` and its `keep`."""
+        if self.peers.many:
+            return self._doomed_agreed(tier, keep, rule, pinned)
+        with self._lock:
+            own = dict(self._views.get(tier, {}))
+            bad = frozenset(self._bad)
+        viable = self.viable()
+        # Only restorable steps take retention slots: a damaged step (bad manifest,
+        # missing chunk) must not push a good older step out; it is left alone.
+        steps = [s for s in sorted(own) if s in viable]
+        # Kept besides: the newest step restorable at all, the newest restorable
+        # from this tier alone (so GCS never loses its last complete step to one
+        # that only the RAM tier can complete), and steps an upload is reading
+        # (only the last with `keep_newest=False`, which asks for Orbax's rule alone).
+        alone = selection.viable({s: [ts] for s, ts in own.items()}, [tier], bad)
+        newest = ({max(viable)} if viable else set()) | ({max(alone)} if alone else set())
+        protected = frozenset(set(pinned) | (newest if rule.keep_newest else set()))
+        metrics = {s: c.manifest.metrics for s, c in viable.items()}
+        return _to_delete(tier, steps, keep, rule, metrics, protected,
+                          {s: c.created for s, c in viable.items()})
+
+    def _doomed_agreed(self, tier: str, keep: int | None, rule: Retention,
+                       pinned: frozenset[int]) -> list[int]:
+        with self._lock:
+            job, own = self._job, set(self._views.get(tier, {}))
+        metrics, times = {}, {}
+        # Reading each step's manifests back: only for a best_fn or a preservation policy.
+        for s in job.complete_in(tier) if rule.best_fn or tier in rule.policy_tiers else ():
+            c = self.choice(s)
+            if c is not None:
+                times[s], metrics[s] = c.created, c.manifest.metrics
+        return job.doomed(tier, own, keep, rule, metrics, pinned, times)
+
+
+def created_of(catalog: Catalog, step: int) -> float | None:
+    """When `step`'s save started (seconds since the epoch); for a step Orbax
+    wrote, when its commit file was written; None when unknown. (Beside the
+    class, which is at its size limit.)"""
+    if step in catalog.orbax_steps():
+        path = os.path.join(catalog._directory, catalog.naming.name(step),
+                            legacy.ORBAX_COMMIT_FILE)
+        return os.path.getmtime(path) if os.path.exists(path) else None
+    c = catalog.choice(step)
+    if c is not None:
+        return c.created
+    with catalog._lock:
+        return catalog._in_flight[step][0] if step in catalog._in_flight else None
+
+
+def _to_delete(tier: str, steps: Sequence[int], keep: int | None, rule: Retention,
+               metrics: dict[int, Any], protected: frozenset[int],
+               times: dict[int, float] | None) -> list[int]:
+    """`retention.to_delete` under `rule` for `tier` (its policy, if it governs the tier)."""
+    return retention.to_delete(
+        steps, keep, keep_period=rule.keep_period, best_fn=rule.best_fn,
+        best_mode=rule.best_mode, metrics=metrics,
+        keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected,
+        policy=rule.policy if tier in rule.policy_tiers else None, times=times,
+        keep_newest=rule.keep_newest)
+
+
+def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: dict,
+              names: list[str]) -> list[shares.Share]:
+    """The shares this process reports at an agreement. On a tier every
+    process sees, each reports its own share (it knows its own commits;
+    another's view of it may be older than the commit), labelled by its
+    index, or by its rank for a save made after a loss (`Peers.set_live`);
+    process 0 all it sees (saves by another process count included)."""
+    me = {peers.index, peers.rank}
+    mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
+                               or q in me or peers.index == 0)
+    return mine + _whole_copies(whole, obs, names, bad, {(s.step, s.save_id) for s in mine})
+
+
+def _whole_copies(cache: dict, obs: dict, names: list[str], bad: frozenset,
+                  saves: set[tuple[int, str]]) -> list[shares.Share]:
+    """The saves this process can read all of alone. Cached by (step, save,
+    bad copies): committed chunks do not change, and a copy deleted since only
+    makes a later restore fall back, on every process alike."""
+    out = []
+    for step, sid in sorted(saves):
+        key = (step, sid, len(bad))
+        if key not in cache:
+            cache[key] = shares.whole_copy(obs[step], names, bad, step, sid)
+        if cache[key] is not None:
+            out.append(cache[key])
+    return out
+
+
+def _empty_view() -> dict:
+    return {"shares": [], "pending": [], "errors": [], "orbax": []}

@@ -1,0 +1,147 @@
+"""What a tier holds of each step, as read from storage: manifests listed and
+parsed (each damaged copy kept with its reason, never raised), chunk sizes
+asked only of the chunks manifests name (or taken from the manifests where
+asking costs requests), and the deletion of a step, manifests first.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+
+from ..core import layout, manifest as mf
+from ..core.selection import TierStep
+from ..errors import CorruptCheckpointError
+from ..storage.base import Storage
+
+log = logging.getLogger("resilient_ckpt")
+
+
+# What reading or parsing one manifest copy may raise when its file is damaged
+# or hostile (deep nesting, a huge size, bad bytes). Each makes that copy
+# unusable, with the reason kept: one bad file never stops a manager from
+# opening, nor hides another step or another tier's copy.
+_UNREADABLE = (CorruptCheckpointError, OSError, RecursionError, MemoryError, UnicodeError,
+               ValueError)
+
+
+def read_manifests(storage: Storage, d: str, names: list[str],
+                   known: mf.Manifest | None = None) -> tuple:
+    """The manifests among `names` in step directory `d`, each parsed, or the
+    CorruptCheckpointError saying why that copy cannot be used (logged once as
+    a warning, never raised). `known`, a manifest this process just committed
+    there, stands for its own name as it is, not read back."""
+    mine = layout.manifest_name(known.process_index, known.process_count) if known else None
+    return tuple(known if name == mine else _read_manifest(storage, d, name)
+                 for name in sorted(names) if layout.parse_manifest_name(name) is not None)
+
+
+def _read_manifest(storage: Storage, d: str, name: str) -> mf.Manifest | CorruptCheckpointError:
+    where = f"{storage.url}/{d}/{name}"
+    try:
+        m = mf.parse(storage.read(f"{d}/{name}", max_bytes=mf.MAX_MANIFEST_BYTES), where)
+        if layout.parse_manifest_name(name) != (m.process_index, m.process_count):
+            raise CorruptCheckpointError(
+                f"{where}: holds process {m.process_index} of {m.process_count}, "
+                "which its name contradicts")
+        return m
+    except _UNREADABLE as e:
+        err = e if isinstance(e, CorruptCheckpointError) else CorruptCheckpointError(
+            f"{where}: unreadable ({type(e).__name__}: {e})")
+        if err is not e:
+            err.__cause__ = e
+        log.warning("ignoring the manifest %s; its step is read from other copies, if "
+                    "any: %s", where, err)
+        return err
+
+
+def tier_step(tier: str, manifests: tuple) -> TierStep:
+    """A view of one step in a tier whose chunk sizes are taken from the
+    manifests (checked when read), as for GCS, where asking costs requests."""
+    sizes = {k: n for m in manifests if isinstance(m, mf.Manifest)
+             for k, n in _recorded_sizes(m)}
+    return TierStep(tier, tuple(manifests), sizes)
+
+
+def _recorded_sizes(m: mf.Manifest):
+    """(chunk key, stored size) as the manifest records them."""
+    return ((c.key, c.stored_nbytes) for _, _, c in m.chunks())
+
+
+def manifest_names(storage: Storage, d: str) -> list[str]:
+    """The manifests in step directory `d` (listed by name prefix, which a
+    remote store filters on its side)."""
+    names = storage.list(d, starts_with=layout.MANIFEST_PREFIX)
+    return sorted(n for n in names if layout.parse_manifest_name(n))
+
+
+def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int,
+                 known: mf.Manifest | None = None) -> TierStep | None:
+    """What `tier` holds of `step` (None: no manifest). A step directory that
+    cannot be listed shows as one unusable copy, with the reason, never an error.
+
+    `known` is a manifest this process just committed there (after its chunks
+    were written and flushed): it is taken as written, its chunks' sizes as it
+    stored them, so a commit neither parses its own manifest back nor asks the
+    size of every chunk it wrote; only other processes' manifests are read."""
+    d = naming.name(step)
+    try:
+        if storage.sizes_from_manifest:
+            manifests = read_manifests(storage, d, manifest_names(storage, d), known)
+            return tier_step(tier, manifests) if manifests else None
+        names = storage.list(d) if known is None else manifest_names(storage, d)
+    except OSError as e:
+        err = CorruptCheckpointError(f"{storage.url}/{d}: cannot be listed ({e}); its "
+                                     "step is read from other tiers, if any")
+        log.warning("%s", err)
+        return TierStep(tier, (err,), {})
+    manifests = read_manifests(storage, d, names, known)
+    if not manifests:
+        return None
+    present = set(names) if known is None else None  # else only manifests were listed
+    sizes: dict[str, int | None] = {}
+    for m in manifests:
+        if m is known:
+            sizes.update(_recorded_sizes(known))
+        elif isinstance(m, mf.Manifest):
+            for _, _, c in m.chunks():
+                sizes[c.key] = (_size(storage, d, c.key) if present is None or c.key in present
+                                else None)
+    return TierStep(tier, manifests, sizes)
+
+
+def _size(storage: Storage, d: str, key: str) -> int | None:
+    """The object's size, or None (no usable copy) where it cannot be asked."""
+    try:
+        return storage.size(f"{d}/{key}")
+    except OSError as e:
+        log.warning("%s/%s/%s: cannot be read (%s); another copy is used", storage.url, d,
+                    key, e)
+        return None
+
+
+def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int, TierStep]:
+    """Every step of a tier that has at least one manifest (valid or not).
+
+    A remote tier is observed with one listing of its step directories and,
+    per step, one listing of that step's manifests and a read of each, several
+    steps at once: never a listing of every object. A damaged step (a manifest
+    that does not read or parse, a directory that does not list) shows with
+    its reasons and is never raised; only a tier root that cannot be listed is.
+    """
+    steps = sorted(s for s in map(naming.parse, storage.list("")) if s is not None)
+    if storage.shared and len(steps) > 1:
+        with cf.ThreadPoolExecutor(min(8, len(steps)), thread_name_prefix="rc-observe") as ex:
+            views = list(ex.map(lambda s: observe_step(storage, tier, naming, s), steps))
+    else:
+        views = [observe_step(storage, tier, naming, s) for s in steps]
+    return {s: ts for s, ts in zip(steps, views, strict=True) if ts is not None}
+
+
+def delete_step(storage: Storage, naming: layout.StepNaming, step: int) -> None:
+    """Deletes manifests first, so a crash part-way never leaves a step that
+    looks committed and is not; the rest is removed after (or by `cleanup`)."""
+    d = naming.name(step)
+    for n in manifest_names(storage, d):
+        storage.delete(f"{d}/{n}")
+    storage.flush(d)
+    storage.delete_dir(d)

@@ -1,0 +1,2 @@
+"""The operator's tool, resilient-ckpt: survey of a directory, cleanup, export to
+and import from Orbax's format."""

@@ -1,0 +1,239 @@
+"""What a checkpoint directory holds, as the command-line tool reports it.
+
+It finds the directory's tiers (the tiers record at its root, tierrecord.py;
+else the directory itself and the default RAM tier; `--tier NAME=PATH`
+overrides either), observes every tier with the manager's own reading code
+(`tier_steps.observe`, manifest parsing), judges each step with `selection`
+(`viable`, and `why_not` for the reason), and adds what the manager does not
+need to see: step directories with no manifest and who was writing them
+(claims, markers, temporaries), steps Orbax wrote, and each copy's size and
+age. `verify_chunk` reads one chunk back and checks its checksum. It writes
+nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..catalog import tier_steps
+from ..compat import orbax_steps as legacy
+from ..core import codec, layout, selection
+from ..core.manifest import ChunkRecord, Manifest
+from ..errors import CorruptCheckpointError
+from ..native import crc32c
+from ..save import claim, tierrecord
+from ..save.tierrecord import TierEntry
+from ..storage import FileStorage, Storage
+from ..tiers import RamTier
+
+_RANK = {"ram": 0, "local": 1, "gcs": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Directory:
+    """A directory's tiers, opened read-only, fastest first."""
+
+    path: str
+    tiers: tuple[tuple[TierEntry, Storage], ...]
+    naming: layout.StepNaming
+    recorded: bool  # the tiers came from the directory's tiers record
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e, _ in self.tiers]
+
+    def storage(self, name: str) -> Storage:
+        return next(s for e, s in self.tiers if e.name == name)
+
+
+def _open(e: TierEntry) -> Storage:
+    if e.where.startswith("gs://"):
+        from ..storage.gcs import GcsStorage
+        return GcsStorage(e.where)
+    if "://" in e.where:  # an FsspecTier's store (s3://, az://, file://)
+        from ..storage.fsspec_store import open_url
+        return open_url(e.where, create=False)
+    return FileStorage(e.where, e.kind, fsync=False, create=False)
+
+
+def _override(spec: str) -> TierEntry:
+    name, sep, where = spec.partition("=")
+    if not sep or not name or not where:
+        raise ValueError(f"--tier {spec!r}: expected NAME=PATH (e.g. ram=/dev/shm/x, "
+                         "local=/ckpt, gcs=gs://bucket/prefix)")
+    kind = "gcs" if where.startswith("gs://") else "remote" if "://" in where \
+        else "ram" if name.startswith("ram") else "local"
+    return TierEntry(name, kind, where if "://" in where else os.path.abspath(where))
+
+
+def open_directory(path: str, overrides: Sequence[str] = ()) -> Directory:
+    """The tiers of `path`: its tiers record, else the directory itself (and
+    the default RAM tier of that directory when it exists), then `overrides`
+    (NAME=PATH) replacing or adding tiers by name. ValueError when the
+    directory is none of ours and no tier was given."""
+    remote = path.startswith("gs://")
+    home: Storage = _open(TierEntry("local", "gcs" if remote else "local", path))
+    rec = tierrecord.read(path, home) if remote or os.path.isdir(path) else None
+    entries: dict[str, TierEntry] = {}
+    if rec is not None:
+        entries = {e.name: e for e in rec.tiers}
+    elif remote or os.path.isdir(path):
+        ram = RamTier().open(path, create=False).root
+        if os.path.isdir(ram):
+            entries["ram"] = TierEntry("ram", "ram", ram)
+        name = "gcs" if remote else "local"
+        entries[name] = TierEntry(name, name, home.url)
+    for spec in overrides:
+        e = _override(spec)
+        entries[e.name] = e
+    if not entries:
+        raise ValueError(f"{path}: no such directory, and no --tier NAME=PATH given")
+    order = sorted(entries.values(), key=lambda e: _RANK.get(e.kind, 1))
+    return Directory(path, tuple((e, _open(e)) for e in order),
+                     rec.naming if rec else layout.StepNaming(), rec is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One step directory in one tier."""
+
+    tier: str
+    state: str  # "committed", "uncommitted" (no manifest), "orbax"
+    save_id: str | None
+    processes: str  # "1/1": manifests present / process count
+    stored_bytes: int  # of the objects present that its manifests name (or all)
+    age_s: float | None
+    problem: str | None  # why this copy alone cannot be restored; None: whole
+    writers: tuple[str, ...] = ()  # claims, markers, temporaries: who wrote, alive?
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    step: int
+    viable: bool
+    reason: str | None  # why not, when not viable
+    copies: tuple[Copy, ...]
+    choice: selection.Choice | None
+
+
+def _writer(w: layout.Writer, what: str) -> str:
+    alive = {True: "alive", False: "dead", None: "on another host"}[w.alive()]
+    return f"{what} of host {w.host} pid {w.pid} ({alive})"
+
+
+def writers(st: Storage, d: str, save_id: str | None) -> tuple[str, ...]:
+    """Who the claims, markers and temporaries in `d` name (claims of saves
+    other than `save_id`, the save committed there, if any)."""
+    out = []
+    for n in sorted(st.list(d)):
+        if layout.is_claim_name(n):
+            c = claim.read(st, f"{d}/{n}")
+            if c is not None and c[0] != save_id:  # the save's own claim says nothing
+                other = "another save " if save_id is not None else "save "
+                out.append(_writer(c[1], f"claim {n} of {other}{c[0][:8]}"))
+        elif (w := layout.parse_marker_name(n)) is not None:
+            out.append(_writer(w, "write marker"))
+        elif (w := layout.parse_tmp_name(n)) is not None:
+            out.append(_writer(w, f"temporary {n}"))
+    return tuple(out)
+
+
+def _age(st: Storage, d: str, names: list[str]) -> float | None:
+    ages = st.object_ages(d)
+    if ages:
+        return min(ages.values())
+    if isinstance(st, FileStorage):
+        try:
+            return time.time() - max(os.stat(os.path.join(st.root, d, n)).st_mtime
+                                     for n in names or ["."])
+        except OSError:
+            return None
+    return None
+
+
+def _committed(st: Storage, ts: selection.TierStep, step: int, d: str) -> Copy:
+    ms = [m for m in ts.manifests if isinstance(m, Manifest)]
+    newest = max(ms, key=lambda m: m.created) if ms else None
+    sid = newest.save_id if newest else None
+    same = [m for m in ms if m.save_id == sid]
+    procs = f"{len(same)}/{newest.process_count}" if newest else "0/?"
+    size = sum(s for s in ts.sizes.values() if s is not None)
+    age = time.time() - newest.created if newest else None
+    problem = selection.why_not(step, [ts], [ts.tier])
+    claims = writers(st, d, sid) if not st.sizes_from_manifest else ()
+    return Copy(ts.tier, "committed", sid, procs, size, age, problem, claims)
+
+
+def _uncommitted(st: Storage, tier: str, d: str) -> Copy:
+    try:
+        names = st.list(d)
+        who = writers(st, d, None)
+        size = sum(st.size(f"{d}/{n}") or 0 for n in names)
+    except OSError as e:
+        return Copy(tier, "uncommitted", None, "0/?", 0, None, f"cannot be listed: {e}")
+    # A claim outlives its save's commit; a write in progress on a file tier
+    # shows as a marker or temporary. GCS has neither: there a claim is all.
+    busy = [w for w in who if not w.startswith("claim") or st.remote]
+    live = any("(alive)" in w or "another host" in w for w in busy)
+    problem = ("no manifest: being written now (or by a live process)" if live else
+               "no manifest: a save that never committed (or a torn delete); "
+               "a writable manager's cleanup removes it")
+    return Copy(tier, "uncommitted", None, "0/?", size, _age(st, d, names), problem, who)
+
+
+def survey(dr: Directory) -> list[Step]:
+    """Every step in every tier, newest first, each judged as the manager would."""
+    views = {e.name: tier_steps.observe(st, e.name, dr.naming) for e, st in dr.tiers}
+    obs: dict[int, list[selection.TierStep]] = {}
+    for name in dr.names:
+        for k, ts in views[name].items():
+            obs.setdefault(k, []).append(ts)
+    choices = selection.viable(obs, dr.names)
+    copies: dict[int, list[Copy]] = {s: [] for s in obs}
+    for e, st in dr.tiers:
+        for name in st.list(""):
+            n = dr.naming.parse(name)
+            if n is None:
+                continue
+            seen = views[e.name].get(n)
+            copies.setdefault(n, []).append(_committed(st, seen, n, name) if seen is not None
+                                            else _uncommitted(st, e.name, name))
+    orbax: set[int] = set()
+    for e, st in dr.tiers:
+        if e.kind == "local":
+            orbax |= legacy.orbax_steps(st, dr.naming) - set(obs)
+    out = []
+    for s in sorted(copies, reverse=True):
+        cs = copies[s]
+        if s in orbax:
+            cs = [dataclasses.replace(c, state="orbax", problem="written by Orbax: "
+                                      "restored through Orbax, read-only") for c in cs]
+            reason: str | None = "written by Orbax (a CheckpointManager restores it through Orbax)"
+        else:
+            reason = selection.why_not(s, obs.get(s, []), dr.names)
+        out.append(Step(s, s in choices, reason, tuple(cs), choices.get(s)))
+    return out
+
+
+def verify_chunk(st: Storage, d: str, c: ChunkRecord) -> str | None:
+    """None when the copy of `c` in step directory `d` of `st` reads back whole
+    and matches its checksum; else what is wrong with it."""
+    try:
+        size = st.size(f"{d}/{c.key}")
+        if size is None:
+            return "missing"
+        if size != c.stored_nbytes:
+            return f"is {size} bytes, its manifest says {c.stored_nbytes}"
+        data = st.read(f"{d}/{c.key}", max_bytes=c.stored_nbytes)
+        raw = data if c.codec == "raw" else \
+            codec.decode(c.codec, np.frombuffer(data, np.uint8), c.nbytes).tobytes()
+    except (OSError, CorruptCheckpointError) as e:
+        return f"cannot be read: {e}"
+    crc = crc32c.value(raw)
+    if crc != c.crc32c:
+        return f"fails its checksum (crc32c {crc}, its manifest says {c.crc32c})"
+    return None

@@ -1,0 +1,53 @@
+"""Steps that Orbax's own CheckpointManager wrote in the manager's directory.
+
+Changing one import must move an existing training loop over, and that loop's
+directory already holds Orbax checkpoints. They are listed beside ours (a step
+directory with Orbax's `_CHECKPOINT_METADATA` commit file and no manifest of
+ours), restored and described through Orbax itself, read-only, and never
+deleted by our retention. New steps are written in our format.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..core import layout
+from ..storage.base import Storage
+
+ORBAX_COMMIT_FILE = "_CHECKPOINT_METADATA"
+
+
+def orbax_steps(storage: Storage, naming: layout.StepNaming) -> set[int]:
+    out = set()
+    for name in storage.list(""):
+        step = naming.parse(name)
+        if step is None:
+            continue
+        try:
+            names = storage.list(name)
+        except OSError:  # an unlistable directory is no step; it must not stop an open
+            continue
+        if ORBAX_COMMIT_FILE in names and not any(layout.parse_manifest_name(n) for n in names):
+            out.add(step)
+    return out
+
+
+def _manager(directory: str, naming: layout.StepNaming):
+    import orbax.checkpoint as ocp
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        read_only=True, step_prefix=naming.prefix,
+        step_format_fixed_length=naming.fixed_length))
+
+
+def restore(directory: str, naming: layout.StepNaming, step: int, args: Any) -> Any:
+    with _manager(directory, naming) as m:
+        return m.restore(step, args=args)
+
+
+def metrics(directory: str, naming: layout.StepNaming, step: int) -> Any:
+    with _manager(directory, naming) as m:
+        return m.metrics(step)
+
+
+def metadata(directory: str, naming: layout.StepNaming, step: int) -> Any:
+    with _manager(directory, naming) as m:
+        return m.metadata(step)

@@ -1,0 +1,485 @@
+"""Assembling a selected step: restore targets, arrays on their devices, items.
+
+Each target leaf becomes a `LeafTarget` (a jax array on a sharding, a numpy
+value, or as saved) checked against its record (its shape must match; another
+dtype is a cast of the verified host copy, as Orbax casts; `ocp.PLACEHOLDER`
+leaves are not read and come back as they are); per leaf, the boxes this
+process's devices need are planned against the saved chunks and read through
+a `reader.ChunkReader`. Target shards that are exactly one saved chunk are
+used as read (on the CPU backend, aliased into the jax array without a copy).
+So host memory peaks at the restored state plus the reader's staging budget.
+An `Into` leaf (CPU backend) names an XLA-owned array that the bytes are read
+straight into, the elastic loop's touched reserve (`elastic.state`).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import ctypes
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..compat import args as args_lib, metadata
+from ..core import layout
+from ..core.manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
+from ..core.planner import plan_boxes, plan_target
+from ..core.pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
+from ..core.selection import Choice
+from ..core.sharding import box_elements, index_to_box, rebuild
+from ..errors import TargetMismatchError
+from ..native.hostmem import carve, untouched_zeros
+from ..storage.base import Storage
+from .reader import ChunkReader, RestoreRecord
+
+__all__ = ["ChunkReader", "RestoreRecord", "LeafTarget", "Into", "target_for",
+           "restore_leaves", "restore_choice"]
+
+
+class Into(jax.ShapeDtypeStruct):
+    """A restore target leaf that is an existing jax array on the CPU backend,
+    which the restored bytes are written into, shard by shard, in place: the
+    restore returns that very array (XLA owns its memory, so the next step can
+    donate it, and no fresh memory is touched). The array must not be in use
+    by anything else while the restore runs, nor share its memory with a
+    numpy array (on CPU, `device_put` of a numpy array may alias it: that
+    array would be overwritten too). Where it cannot be written in
+    place (another backend or sharding, a cast, shards read from peers) the
+    leaf is restored as for a ShapeDtypeStruct."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: jax.Array):
+        super().__init__(array.shape, array.dtype, sharding=array.sharding)
+        self.array = array
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafTarget:
+    """How to produce one leaf: a jax array on `sharding`, a numpy value, or as saved."""
+
+    kind: str  # "jax", "numpy", "value"
+    shape: tuple | None = None
+    dtype: Any = None
+    sharding: jax.sharding.Sharding | None = None
+    into: jax.Array | None = None  # see Into
+
+
+def target_for(leaf: Any, restore_arg: Any = None) -> LeafTarget:
+    """The target of one leaf: its own shape, dtype and sharding, each
+    overridden by the restore arg's where that gives one (as in Orbax)."""
+    sharding = getattr(restore_arg, "sharding", None)
+    dtype = getattr(restore_arg, "dtype", None)
+    if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+        into = leaf.array if isinstance(leaf, Into) else None
+        return LeafTarget("jax", tuple(leaf.shape), dtype or leaf.dtype,
+                          sharding or getattr(leaf, "sharding", None), into)
+    if isinstance(leaf, np.ndarray):
+        return LeafTarget("numpy", tuple(leaf.shape), dtype or leaf.dtype)
+    if sharding is not None:
+        return LeafTarget("jax", None, dtype, sharding)
+    return LeafTarget("value", dtype=dtype)
+
+
+def _check(rec: LeafRecord, tgt: LeafTarget, where: str) -> None:
+    if tgt.kind == "value" or rec.kind in ("scalar", "none"):
+        if tgt.kind != "value" and rec.kind in ("scalar", "none"):
+            raise TargetMismatchError(f"{where}: saved as a {rec.kind}, but the target "
+                                      "asks for an array")
+        return
+    saved_shape = rec.shape[:-1] if rec.kind == "prng_key" else rec.shape
+    if tgt.shape is not None and tuple(tgt.shape) != tuple(saved_shape):
+        raise TargetMismatchError(f"{where}: saved with shape {tuple(saved_shape)}, target "
+                                  f"has shape {tuple(tgt.shape)}")
+    if tgt.dtype is None:
+        return
+    # Another numeric dtype is a cast (`_cast`); a key and a number are not.
+    if jnp.issubdtype(tgt.dtype, jax.dtypes.prng_key) != (rec.kind == "prng_key"):
+        saved = f"key<{rec.key_impl}>" if rec.kind == "prng_key" else rec.dtype
+        raise TargetMismatchError(f"{where}: saved with dtype {saved}, target has dtype "
+                                  f"{tgt.dtype}")
+
+
+def _cast_to(rec: LeafRecord, tgt: LeafTarget) -> np.dtype | None:
+    """The dtype to cast the stored values to, or None when they are restored
+    as stored (no copy is made for a cast then)."""
+    if tgt.dtype is None or rec.kind == "prng_key":
+        return None
+    want = np.dtype(tgt.dtype)
+    return None if want == jnp.dtype(rec.dtype) else want
+
+
+def _key_data_sharding(s: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    if isinstance(s, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec, None))
+    return s
+
+
+def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
+    s = rebuild(rec.sharding)
+    if s is not None:
+        return s
+    if rec.sharding and rec.sharding.get("type") != "other":
+        raise TargetMismatchError(
+            f"{where}: saved on devices {rec.sharding.get('device_ids', rec.sharding)}, "
+            "not all of which exist now; restore with a target that gives shardings "
+            "(StandardRestore(abstract_tree) with jax.ShapeDtypeStruct leaves)")
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
+                zero_copy: bool, dest: dict | None = None) -> Callable[[], dict]:
+    """Starts reading the host arrays for each target box of one leaf; the
+    returned call waits for them and returns them by box. Whole chunks are
+    read on the reader's pool, so the next leaves' reads run meanwhile, into
+    buffers cut from one mapping here first (`hostmem.carve`); boxes that
+    stack whole rows of RAM-tier chunks are views of those chunks mapped in
+    row order, checked on the pool (`ChunkReader.stitch`). With `dest`
+    (box -> array), every box is read into its array instead."""
+    dtype = jnp.dtype(rec.dtype)
+    wholes, plans, singles = {}, {}, {}
+    for box, plan in zip(boxes, plan_boxes(boxes, rec.chunks, where), strict=True):
+        if dest is None and plan.single is not None:
+            singles[box] = plan.single
+        else:
+            plans[box] = plan
+    mapped: dict = {}
+    stitched = plans
+    if zero_copy and dest is None and plans:  # views of RAM-tier chunks mapped in row order
+        mapped, left = reader.stitch(plans, dtype)
+        plans = {b: stitched[b] for b in left}
+    read = [b for b, c in singles.items() if not _mappable(reader, c, zero_copy)]
+    bufs = dict(zip(read, carve([singles[b].nbytes for b in read]), strict=True))
+    for box, c in singles.items():
+        wholes[box] = _start_whole(reader, c, where, zero_copy, bufs.get(box))
+    assembled = _assemble(plans, dtype, reader, where, dest)
+
+    def done() -> dict:
+        out, unmapped = assembled(), {}
+        for box, (view, checks) in mapped.items():
+            if all([f.result() for f in checks]):
+                out[box] = view
+            else:  # a copy failed its check: read from the next one
+                unmapped[box] = stitched[box]
+        if unmapped:
+            out.update(_assemble(unmapped, dtype, reader, where)())
+        out.update({b: f.result().view(dtype).reshape(b[1]) for b, f in wholes.items()})
+        return out
+    return done
+
+
+# A RAM-tier chunk up to this size is mapped and checked on the restoring
+# thread: a pool task's hand-offs cost more than its checksum (~0.1 ms a MiB).
+# At 1 MiB the restoring thread checked most of a 1 GB state (432 of its 671
+# chunks are 0.5-1 MiB) while the pool's threads idled: 0.095-0.103 s per
+# restore here, 0.079-0.090 s at 256 KiB (128 and 64 KiB the same; a 256 MB
+# state of 83 KB chunks unchanged, 0.13-0.15 s).
+INLINE_BYTES = 256 << 10
+
+
+def _mappable(reader: ChunkReader, c: ChunkRecord, zero_copy: bool) -> bool:
+    """Whether `whole` maps the chunk's first copy instead of reading it."""
+    return zero_copy and reader.maps(c)
+
+
+def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: bool,
+                 out: np.ndarray | None) -> cf.Future:
+    """reader.whole(c) into `out` (None: the chunk is `_mappable`) started on
+    the reader's pool, or done on this thread for a small chunk mapped from
+    the RAM tier: on the pool its few system calls each waited for the GIL
+    while this thread planned the next leaves (a 256 MB restore of 3086
+    chunks took 1.0 s, 0.6 s with them here)."""
+    if out is not None or c.stored_nbytes > INLINE_BYTES:
+        return reader.pool.submit(reader.whole, c, where, zero_copy, out)
+    done: cf.Future = cf.Future()
+    try:
+        done.set_result(reader.whole(c, where, zero_copy, out))
+    except Exception as e:  # raised where the caller waits, as from the pool
+        done.set_exception(e)
+    return done
+
+
+def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str,
+              dest: dict | None = None) -> Callable[[], dict]:
+    """Starts copying each box of `plans` (box -> plan) together from the
+    parts of the chunks it needs, into a buffer of its own (or its `dest`
+    array, every part read straight into place); each chunk is read once for
+    all the boxes it serves. The returned call waits for the boxes."""
+    in_place = dest is not None
+    if dest is None:
+        bufs = carve([box_elements(box) * dtype.itemsize for box in plans])
+        dest = {box: b.view(dtype).reshape(box[1]) for box, b in zip(plans, bufs, strict=True)}
+    out, parts, chunks = {box: dest[box] for box in plans}, collections.defaultdict(list), {}
+    for box, plan in plans.items():
+        for p in plan.pieces:
+            parts[p.chunk.key].append((p.src, out[box][p.dst]))
+            chunks[p.chunk.key] = p.chunk
+    futures = []
+    for key, c in chunks.items():
+        futures += reader.pieces(c, dtype, parts[key], where, in_place=in_place)
+
+    def done() -> dict:
+        for f in futures:
+            f.result()
+        return out
+    return done
+
+
+@dataclasses.dataclass
+class Hole:
+    """A jax leaf as this process assembled it, for a fill from its peers."""
+
+    array: jax.Array  # on the target sharding; shards it could not read are zeros
+    have: dict  # device -> whether that device's shard was read
+    out: Any = None  # the leaf as placed in the restored tree
+    key_impl: str | None = None  # for PRNG keys: rewrap the filled key data
+
+    def missing_bytes(self) -> int:
+        boxes = {index_to_box(s.index, self.array.shape) for s in self.array.addressable_shards
+                 if not self.have[s.device]}
+        return sum(box_elements(b) for b in boxes) * self.array.dtype.itemsize
+
+    def filled(self, array: jax.Array) -> Any:
+        return array if self.key_impl is None else jax.random.wrap_key_data(
+            array, impl=self.key_impl)
+
+
+def _readable(box, rec: LeafRecord, where: str) -> bool:
+    try:
+        plan_target(box, rec.chunks, where)
+    except ValueError:
+        return False
+    return True
+
+
+def _start_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReader,
+               where: str, cast: np.dtype | None = None, into: jax.Array | None = None
+               ) -> Callable[[], jax.Array]:
+    """Starts the reads of one jax leaf; the returned call assembles it (or,
+    with `into`, fills that array in place and returns it)."""
+    shape = rec.shape
+    index_map = sharding.addressable_devices_indices_map(shape)
+    by_box = collections.defaultdict(list)
+    for d, idx in index_map.items():
+        # jax annotates the map's values `Index | None`, but each is a subset of
+        # devices_indices_map's, which are never None.
+        by_box[index_to_box(idx, shape)].append(d)  # type: ignore[arg-type]
+    # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
+    cpu = all(d.platform == "cpu" for d in index_map)  # type: ignore[attr-defined]
+    boxes = list(by_box)
+    missing = [] if reader.fills is None else [b for b in boxes
+                                               if not _readable(b, rec, where)]
+    views = _writable(into, sharding, by_box) \
+        if into is not None and cpu and cast is None and not missing else None
+    pending = _read_boxes(rec, [b for b in boxes if b not in missing], reader, where, cpu,
+                          None if views is None else {b: v[0] for b, v in views.items()})
+
+    def finish() -> jax.Array:
+        host = pending()
+        if views is not None:
+            for first, *others in views.values():  # a box several devices hold
+                for v in others:
+                    np.copyto(v, first)
+            assert into is not None  # views are made only with it
+            out = into
+        else:
+            if cast is not None:  # after the reader checked the stored bytes
+                host = {b: a.astype(cast) for b, a in host.items()}
+            for b in missing:  # filled from the peers' replicas, after every process read
+                host[b] = untouched_zeros(b[1], cast or jnp.dtype(rec.dtype))
+            out = _place(shape, sharding, host)
+        if reader.fills is not None:
+            gone = set(missing)
+            reader.fills[where] = Hole(out, {d: b not in gone for b, ds in by_box.items()
+                                             for d in ds}, out)
+        return out
+    return finish
+
+
+def _writable(into: jax.Array, sharding: jax.sharding.Sharding, by_box: dict
+              ) -> dict | None:
+    """Writable host views of `into`'s shards (CPU backend), by target box:
+    the views of the devices that hold each box, or None when `into` is not
+    on `sharding`, not alive or a scalar (whose box has no view)."""
+    if into.ndim == 0 or into.is_deleted() or into.sharding != sharding:
+        return None
+    shard = {s.device: s.data for s in into.addressable_shards}
+    views: dict[tuple, list[np.ndarray]] = {}
+    for box, devices in by_box.items():
+        views[box] = []
+        for d in devices:
+            data = shard[d]
+            raw = (ctypes.c_char * data.nbytes).from_address(data.unsafe_buffer_pointer())
+            views[box].append(np.frombuffer(raw, dtype=data.dtype).reshape(data.shape))
+    return views
+
+
+def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict) -> jax.Array:
+    """The jax array of a leaf from its host boxes, in one batched put (a put
+    per shard cost 0.28 ms against 0.02 ms per leaf of 8 shards here). On the
+    CPU backend each device's shard aliases its box's host buffer, several
+    devices' the same one where a box is replicated, as jax's own device_put
+    of a numpy array does: XLA never writes into memory it does not own (a
+    donated aliased shard gets a new buffer; tests/test_donation.py)."""
+    # (jax annotates the index `Index | None`; it never passes None.)
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: host[index_to_box(index, shape)])  # type: ignore[arg-type]
+
+
+def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
+               where: str) -> Callable[[], Any]:
+    """Checks one leaf's target and starts its reads; the returned call
+    returns the restored leaf."""
+    _check(rec, tgt, where)
+    if rec.kind == "none":
+        return lambda: None
+    if rec.kind == "scalar":
+        value = decode_scalar(rec.value)
+        return lambda: value
+    cast = _cast_to(rec, tgt)
+    if tgt.kind == "numpy" or (tgt.kind == "value" and rec.kind.startswith("numpy")):
+        full = (tuple(0 for _ in rec.shape), tuple(rec.shape))
+        read = _read_boxes(rec, [full], reader, where, False)
+
+        def numpy_leaf() -> Any:
+            got = read()[full]
+            arr = np.array(got) if cast is None else got.astype(cast)
+            return arr[()] if rec.kind == "numpy_scalar" and tgt.kind == "value" else arr
+        return numpy_leaf
+    sharding = tgt.sharding if tgt.kind == "jax" else None
+    if rec.kind == "prng_key":
+        data_sharding = _key_data_sharding(sharding) or _default_sharding(rec, where)
+        data = _start_jax(rec, data_sharding, reader, where)
+
+        def key_leaf() -> Any:
+            key = jax.random.wrap_key_data(data(), impl=rec.key_impl)
+            if reader.fills is not None:
+                reader.fills[where].out, reader.fills[where].key_impl = key, rec.key_impl
+            return key
+        return key_leaf
+    return _start_jax(rec, sharding or _default_sharding(rec, where), reader, where, cast,
+                      tgt.into)
+
+
+def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
+                   reader: ChunkReader, item: str = "") -> list[Any]:
+    """The leaves of `records` restored onto `targets`: every leaf's reads
+    are started before the first leaf is assembled, so the reader's threads
+    read and checksum ahead while this one places arrays."""
+    t0 = time.perf_counter()
+    started = []
+    # No garbage collection meanwhile: the futures and views made here set it
+    # off every few leaves, and jax's hook on each collection cost 0.04 s per
+    # 1 GB restored (119 leaves) here. What this allocates is freed by refcount.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for rec, tgt in zip(records, targets, strict=True):
+            # (named by item too, past the default one: leaves of two items may share paths)
+            where = f"item {item!r}, leaf {path_str(rec.path)}" \
+                if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
+            started.append(start_leaf(rec, tgt, reader, where))
+        out = [finish() for finish in started]
+    finally:
+        if collecting:
+            gc.enable()
+    for a in out:
+        if isinstance(a, jax.Array):
+            a.block_until_ready()
+    reader.record.seconds += time.perf_counter() - t0
+    return out
+
+
+# ------------------------------------------------------------------ items of a step
+
+def restore_choice(choice: Choice, storages: Mapping[str, Storage], naming: layout.StepNaming,
+                   requests: dict | None, is_composite: bool, record: RestoreRecord,
+                   bad: set, declared: frozenset[str] | None, budget: int,
+                   progress: bool = False,
+                   settle: Callable[[dict[str, Hole]], dict[str, jax.Array]] | None = None
+                   ) -> Any:
+    """Restores the items `requests` names (all, when None) of a selected step,
+    each one of the items `declared` (the manager's item_names) when given.
+
+    Copies that fail a read are added to `bad` (the caller keeps them out of
+    later selections); `progress` shows a bar of the bytes read. With `settle`
+    (several processes), shards this process cannot read are left as zeros,
+    and once every leaf is assembled `settle(holes)` returns the leaves filled
+    from the peers (by name), which replace them.
+    """
+    bar = None
+    if progress:
+        from . import progress as progress_bar
+        storages, bar = progress_bar.wrap(storages, choice, jax.process_count() == 1)
+    reader = ChunkReader(storages, naming, choice, bad, record, budget)
+    if settle is not None:
+        reader.fills = {}
+    try:
+        m = choice.manifest
+        names = [it.name for it in m.items]
+        args_lib.check_restore_items(choice.step, names, requests, declared)
+        if requests is None:
+            requests = {n: args_lib.RestoreRequest("any") for n in names}
+            is_composite = names != [args_lib.DEFAULT_ITEM]
+        out = {}
+        for name, req in requests.items():
+            out[name] = req.finish(_restore_item(m.item(name), req, reader, choice.step))
+    finally:
+        reader.close()
+        if bar is not None:
+            bar.close()
+    if settle is not None and reader.fills is not None:
+        out = _settled(out, reader.fills, settle(reader.fills), record)
+    if is_composite:
+        return args_lib.composite(out)
+    return out[args_lib.DEFAULT_ITEM]
+
+
+def _restore_item(item: ItemRecord, req: args_lib.RestoreRequest, reader: ChunkReader,
+                  step: int) -> Any:
+    if item.kind == "json":
+        if req.kind == "pytree":
+            raise TargetMismatchError(f"step {step}: item {item.name!r} was saved "
+                                      "with JsonSave; restore it with JsonRestore")
+        return item.value
+    if req.kind == "json":
+        raise TargetMismatchError(f"step {step}: item {item.name!r} is a pytree; "
+                                  "restore it with StandardRestore or PyTreeRestore")
+    saved_paths = [lf.path for lf in item.leaves]
+    where = f"step {step}, item {item.name!r}"
+    if req.item is None:
+        records = list(item.leaves)
+        targets = [target_for(None, metadata.restore_arg_for(req.restore_args, lf.path))
+                   for lf in records]
+        values = restore_leaves(records, targets, reader, item.name)
+        return build_nested(list(zip(saved_paths, values, strict=True)))
+    pairs, treedef = flatten(req.item)
+    wanted = [(p, leaf) for p, leaf in pairs if leaf is not PLACEHOLDER]
+    idx = match_target(saved_paths, [p for p, _ in wanted], partial=req.partial, where=where,
+                       placeholders=tuple(p for p, leaf in pairs if leaf is PLACEHOLDER))
+    records = [item.leaves[i] for i in idx]
+    targets = [target_for(leaf, metadata.restore_arg_for(req.restore_args, p))
+               for p, leaf in wanted]
+    read = iter(restore_leaves(records, targets, reader, item.name))
+    return unflatten(treedef, [leaf if leaf is PLACEHOLDER else next(read)
+                               for _, leaf in pairs])
+
+
+def _settled(out: dict, holes: dict[str, Hole], filled: dict[str, jax.Array],
+             record: RestoreRecord) -> dict:
+    """The restored items with the leaves the peers filled put in."""
+    if not filled:
+        return out
+    swap = {}
+    for where, array in filled.items():
+        hole = holes[where]
+        record.bytes_by_tier["peers"] += hole.missing_bytes()
+        swap[id(hole.out)] = hole.filled(array)
+    return {name: jax.tree_util.tree_map(lambda x: swap.get(id(x), x), tree)
+            for name, tree in out.items()}

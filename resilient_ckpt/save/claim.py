@@ -1,0 +1,145 @@
+"""A step's claim: which save may commit a step, across a manager's tiers.
+
+Each tier's manifest is created only if absent, per (step, process), but on
+its own that lets two writers each win a different tier: two states under one
+step. So just before a tier commits its manifest, the tier job takes the
+save's claim: a create-only object `claim.<i>-of-<n>.json` in the step's
+directory holding the save id and the writer, first in the save's claim tier
+(the fastest non-remote tier the save writes the step to, or the next one if
+that put fails), then in the committing tier itself. A save's tier jobs share
+one `StepClaim`, so they see their own id; another writer sees a foreign one
+and is refused (`StepAlreadyExistsError`) before its manifest.
+
+A claim goes with its step (retention and delete remove the whole directory);
+one without a manifest is a leftover that `cleanup.cleanup` removes once its
+writer is dead (by age on GCS). A new save of the step takes over a claim
+whose writer is on this host and dead, with that writer's manifest of the
+same process index if it committed one: the manager starts a save only of a
+step that is not restorable, so that copy is a piece of a save that serves
+no restore (a lost host's peers keep their shares of a step it never
+finished), and must not block the step being saved again. Only the writer lock
+(writer_lock.py) holder of a file tier saves there, so two such takeovers
+never race.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+
+from ..core import layout
+from ..errors import StepAlreadyExistsError, StorageError
+from ..storage.base import Storage
+
+log = logging.getLogger("resilient_ckpt")
+
+
+def encode(save_id: str, writer: layout.Writer) -> bytes:
+    return json.dumps({"save_id": save_id, "host": writer.host, "pid": writer.pid,
+                       "start": writer.start}, separators=(",", ":")).encode()
+
+
+def parse(data: bytes) -> tuple[str, layout.Writer] | None:
+    """(save id, writer) of a claim, or None if it does not parse."""
+    try:
+        doc = json.loads(data)
+        return str(doc["save_id"]), layout.Writer(str(doc["host"]), int(doc["pid"]),
+                                                  int(doc["start"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def read(storage: Storage, key: str) -> tuple[str, layout.Writer] | None:
+    """The claim at `key`; None if it is gone, too large or does not parse."""
+    try:
+        return parse(storage.read(key, max_bytes=4096))
+    except StorageError:
+        return None
+
+
+def take(storage: Storage, tier: str, d: str, step: int, index: int, count: int,
+         save_id: str, writer: layout.Writer) -> None:
+    """Claims step directory `d` of `storage` for `save_id` (process `index`
+    of `count`); raises StepAlreadyExistsError if another save holds it."""
+    key = f"{d}/{layout.claim_name(index, count)}"
+    for _attempt in range(3):
+        if storage.put_if_absent(key, encode(save_id, writer)):
+            return
+        held = read(storage, key)
+        if held is not None and held[0] == save_id:
+            return
+        if held is not None and held[1].alive() is False:
+            # A dead writer's claim: of a step it never committed, or of one whose
+            # copy here is part of no restorable step (a save is refused for a
+            # viable step, so a new save of it means the dead save's copy serves
+            # no restore; e.g. a lost host's peers kept their shares of a step
+            # it never finished). Its manifest goes first, as in a delete.
+            log.info("taking over step %d in the %s tier (%s/%s) from a dead writer's "
+                     "claim (save %s)", step, tier, storage.url, d, held[0])
+            storage.delete(f"{d}/{layout.manifest_name(index, count)}")
+            storage.flush(d)
+            storage.delete(key)
+            continue
+        if held is None and storage.size(key) is None:
+            continue  # deleted with its step meanwhile
+        who = (f"save {held[0]} by {held[1].host} pid {held[1].pid}" if held
+               else "an unreadable claim")
+        raise StepAlreadyExistsError(
+            f"step {step} in the {tier} tier ({storage.url}/{d}) is claimed by another "
+            f"writer ({who}); this save of it was refused so that the step holds one "
+            "state in every tier. Only one manager may write a directory: stop the "
+            "other writer, or save another step")
+    raise StepAlreadyExistsError(f"step {step} in the {tier} tier ({storage.url}/{d}): "
+                                 "its claim kept changing; save another step")
+
+
+class StepClaim:
+    """One save's claim of its step, shared by that save's tier jobs.
+
+    `tiers`: the (name, storage) the save writes the step to, fastest first.
+    Thread-safe: the first job to commit takes the claim in the claim tier,
+    the others wait for that outcome.
+    """
+
+    def __init__(self, step: int, save_id: str, index: int, count: int,
+                 naming: layout.StepNaming, tiers: Sequence[tuple[str, Storage]]):
+        self._step, self._save_id, self._index, self._count = step, save_id, index, count
+        self._d = naming.name(step)
+        near = [t for t in tiers if not t[1].remote]
+        self._candidates = near or list(tiers)
+        self._writer = layout.Writer.me()
+        self._lock = threading.Lock()
+        self._home: str | None = None  # the claim tier, once claimed ("" if none could be)
+        self._refused: str | None = None
+
+    def take(self, tier: str, storage: Storage) -> None:
+        """Claims the step for this save before `tier` commits it; raises
+        StepAlreadyExistsError when another save holds it."""
+        with self._lock:
+            if self._refused is None and self._home is None:
+                self._take_home()
+            if self._refused is not None:
+                raise StepAlreadyExistsError(self._refused)
+            home = self._home
+        if tier != home:
+            self._one(tier, storage)
+
+    def _take_home(self) -> None:
+        """Claims the step in the first candidate tier whose put works. Holds the lock."""
+        for name, st in self._candidates:
+            try:
+                self._one(name, st)
+                self._home = name
+                return
+            except StepAlreadyExistsError as e:
+                self._refused = str(e)
+                return
+            except StorageError as e:
+                log.warning("could not claim step %d in the %s tier (%s): %s; claiming it "
+                            "in the next tier", self._step, name, st.url, e)
+        self._home = ""
+
+    def _one(self, tier: str, storage: Storage) -> None:
+        take(storage, tier, self._d, self._step, self._index, self._count, self._save_id,
+             self._writer)
