@@ -2,7 +2,7 @@
 
 Real jax.distributed jobs on 127.0.0.1, one process per simulated host, one
 data-parallel replica per process ((replica, data, model) mesh; mh's exact
-state of tests/_multihost.py). Each step sleeps --mc-step-s after its work, a
+state of resilient_ckpt/testing/multiprocess.py). Each step sleeps --mc-step-s after its work, a
 stand-in for the compute of a real step.
 
 - "survivors" (one lost host, 2 processes x 4 devices): process 1 stops
@@ -35,9 +35,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from _multihost import describe, start_job  # noqa: E402  (the tests' harness)
-from _relaunch import prepare as prepare_worker  # noqa: E402
+from resilient_ckpt.testing.multiprocess import describe, start_job  # noqa: E402
+from resilient_ckpt.testing.relaunch import prepare as prepare_worker  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_survivors_worker.py")
 KILL_BEFORE = 6

@@ -3,7 +3,7 @@
 Two jax.distributed processes x 4 CPU devices on 127.0.0.1, a (replica=2,
 data=2, model=2) mesh (one replica per process, so Orbax's emergency manager
 runs on the same state), run under `resilient_ckpt.elastic.supervisor`. The
-training script is tests/_relaunch.py's worker: each step is saved to the
+training script is resilient_ckpt/testing/relaunch.py's worker: each step is saved to the
 host's own directory under /dev/shm and every --local-every (3) steps to the
 shared one. After step 5, process 1 is SIGKILLed and its /dev/shm directory
 removed (a lost host); the supervisor ends process 0 (SIGTERM, SIGKILL after
@@ -32,8 +32,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from _relaunch import prepare as prepare_worker  # noqa: E402  (the tests' training script)
+from resilient_ckpt.testing.relaunch import prepare as prepare_worker  # noqa: E402
 
 SYSTEMS = ("resilient_ckpt", "orbax_emergency")
 KILL_AFTER, LOCAL_EVERY = 5, 3

@@ -1,6 +1,6 @@
 """The training script of bench/_multicontroller.py's in-process cases (a worker, not a bench).
 
-Run by tests/_multihost.py's harness (`start_job`), one process per simulated
+Run by resilient_ckpt/testing/multiprocess.py's harness (`start_job`), one process per simulated
 host, with jax's recoverability settings. The state is mh's (exact values
 after every step) on a (replica, data, model) mesh with one replica per
 process (each step also all-reduces a probe across them, as a data-parallel

@@ -1,6 +1,6 @@
 """Multi-host save and restore: 2 processes x 4 CPU devices forming one JAX job.
 
-Each process is a simulated host (tests/_multihost.py starts the job: local
+Each process is a simulated host (resilient_ckpt/testing/multiprocess.py starts the job: local
 processes joined by jax.distributed on 127.0.0.1). The mesh is (replica=2,
 data=2, model=2), one replica per process, so that Orbax's emergency manager,
 which needs data-parallel replicas, runs on the very same state: leaves
@@ -87,8 +87,7 @@ from _common import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from _multihost import describe, run_job  # noqa: E402  (the test harness starts the jobs)
+from resilient_ckpt.testing.multiprocess import describe, run_job  # noqa: E402
 
 BENCH = "multihost"
 NPROCS, DEVICES = 2, 4

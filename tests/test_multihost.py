@@ -1,4 +1,4 @@
-"""Multi-host behaviour in real multi-process JAX jobs (tests/_multihost.py).
+"""Multi-host behaviour in real multi-process JAX jobs (resilient_ckpt/testing/multiprocess.py).
 
 Every job is N local processes forming one JAX job on 127.0.0.1; each process
 is a simulated host with its OWN RAM-tier directory (under /dev/shm) and all of
@@ -30,7 +30,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multihost import (  # noqa: E402  (the harness, beside this file)
+from resilient_ckpt.testing.multiprocess import (
     JobTimeout,
     describe,
     run_job,

@@ -8,7 +8,7 @@ and all share one local tier (every 4th step). Process 1 is SIGKILLed mid-run
 and, as a lost host loses its /dev/shm, its RAM directory is removed before
 the supervisor relaunches the set; the fresh job restores the newest step,
 the lost host's share from its peers' replicas or the shared tier, and
-trains on. The state's arithmetic is exact (tests/_multihost.py), so the
+trains on. The state's arithmetic is exact (resilient_ckpt/testing/multiprocess.py), so the
 restored step and the final one are compared bit for bit with the values of
 an uninterrupted run of the same steps.
 
@@ -26,7 +26,7 @@ import textwrap
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _relaunch import prepare  # noqa: E402  (the worker, beside this file)
+from resilient_ckpt.testing.relaunch import prepare
 
 from resilient_ckpt.elastic import jobenv  # noqa: E402
 from resilient_ckpt.elastic.supervisor import Supervisor, SupervisorError, format_relaunches

@@ -1,7 +1,7 @@
 """Survivors of a lost process go on in-process (issue #11, item 4).
 
 A real job of 2 or 4 processes (jax.distributed on 127.0.0.1, the harness of
-tests/_multihost.py) with jax's recoverability settings trains a
+resilient_ckpt/testing/multiprocess.py) with jax's recoverability settings trains a
 deterministic model under the elastic loop, saving every step to each host's
 own RAM tier and every 3rd to a tier every host sees. One process other than
 0 (the coordinator, without which the others abort) stalls in a step and is
@@ -19,7 +19,7 @@ import shutil
 import tempfile
 
 import pytest
-from _multihost import describe, start_job, step_dirs
+from resilient_ckpt.testing.multiprocess import describe, start_job, step_dirs
 
 WORKER = r'''
 import os, sys, time, functools, argparse

@@ -6,6 +6,11 @@
   injects 429/503 answers, connection resets, truncated bodies and stalls.
 - `faults`: `FaultInjector` / `DeviceFault`, simulated device loss on real
   (CPU) jax devices, for the elastic loop (imports jax).
+- `multiprocess`: `start_job` / `run_job`, N local processes forming one
+  jax.distributed job on 127.0.0.1 (simulated hosts), with hard timeouts and
+  kills by pid; a worker-side library with a state whose every value after
+  step s is known exactly.
+- `relaunch`: the training script a `Supervisor` relaunches, on that state.
 - `storage_contract`: `StorageContract`, the Storage interface's promises as
   a pytest suite a backend or wrapper subclasses (needs pytest).
 
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["fake_gcs", "gcs_proxy", "faults", "storage_contract"]
+__all__ = ["fake_gcs", "gcs_proxy", "faults", "multiprocess", "relaunch", "storage_contract"]
 
 
 def __getattr__(name: str):

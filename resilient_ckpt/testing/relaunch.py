@@ -1,7 +1,7 @@
 """The training script of the relaunch tests and bench, run under the supervisor.
 
 `prepare(workdir)` writes the worker (`worker.py`) and the multi-host worker
-library of tests/_multihost.py (`mh.py`, for its exact state) into `workdir`
+library of `multiprocess` (`mh.py`, for its exact state) into `workdir`
 and returns (argv prefix, env) for `resilient_ckpt.elastic.supervisor.Supervisor`.
 The worker reads the launch contract with `resilient_ckpt.elastic.jobenv`
 (the supervisor's variables), forms the jax.distributed job from it, opens
@@ -22,8 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multihost import REPO, WORKER_LIB  # noqa: E402  (the harness, beside this file)
+from .multiprocess import REPO, WORKER_LIB
 
 WORKER = r'''
 import argparse, os, sys, time

@@ -1,4 +1,5 @@
-"""A harness for multi-process JAX jobs on one machine (simulated hosts).
+"""A harness for multi-process JAX jobs on one machine (simulated hosts), for
+tests and benchmarks of code that runs on many hosts.
 
 Each job is N local processes that form one JAX job through
 `jax.distributed.initialize` on 127.0.0.1 (docs/environment.md, "Many devices,
@@ -67,7 +68,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory that holds the resilient_ckpt package (a checkout, or site-packages):
+# workers import the package from it.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -359,7 +362,7 @@ def step_dirs(path: str) -> list[int]:
 # ====================================================================== worker side
 
 WORKER_LIB = r'''
-"""Worker-side helpers of tests/_multihost.py (written next to the worker as mh.py)."""
+"""Worker-side helpers of resilient_ckpt.testing.multiprocess (written as mh.py)."""
 import argparse
 import json
 import os
