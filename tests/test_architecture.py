@@ -152,11 +152,23 @@ def test_no_import_cycle_in_tests_or_bench():
 
 
 def test_bench_does_not_import_tests():
+    """bench/ may run the test suite (a campaign), never import from it."""
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests"}
     offenders = []
     for p in (ROOT / "bench").rglob("*.py"):
         text = p.read_text()
-        if re.search(r"""["']tests["']|\bfrom tests\b|\bimport tests\b""", text):
-            offenders.append(p.name)
+        if re.search(r"sys\.path\.\w+\(.*[\"']tests[\"']", text):
+            offenders.append(f"{p.name}: puts tests/ on sys.path")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            offenders += [f"{p.name}: imports {n}" for n in names
+                          if n.split(".")[0] in test_modules and n.split(".")[0] != "conftest"
+                          and not (ROOT / "bench" / f"{n.split('.')[0]}.py").exists()]
     assert offenders == []
 
 
