@@ -304,6 +304,19 @@ class Catalog:
         with self._lock:
             return self._in_flight.get(step, (0.0, None))[1]
 
+    def created(self, step: int) -> float | None:
+        """When `step`'s save started (seconds since the epoch); for a step Orbax
+        wrote, when its commit file was written; None when unknown."""
+        if step in self.orbax_steps():
+            path = os.path.join(self._directory, self.naming.name(step),
+                                legacy.ORBAX_COMMIT_FILE)
+            return os.path.getmtime(path) if os.path.exists(path) else None
+        c = self.choice(step)
+        if c is not None:
+            return c.created
+        with self._lock:
+            return self._in_flight[step][0] if step in self._in_flight else None
+
     # ------------------------------------------------------------ retention
 
     def doomed(self, tier: str, keep: int | None, rule: Retention,
@@ -340,21 +353,6 @@ class Catalog:
             if c is not None:
                 times[s], metrics[s] = c.created, c.manifest.metrics
         return job.doomed(tier, own, keep, rule, metrics, pinned, times)
-
-
-def created_of(catalog: Catalog, step: int) -> float | None:
-    """When `step`'s save started (seconds since the epoch); for a step Orbax
-    wrote, when its commit file was written; None when unknown. (Beside the
-    class, which is at its size limit.)"""
-    if step in catalog.orbax_steps():
-        path = os.path.join(catalog._directory, catalog.naming.name(step),
-                            legacy.ORBAX_COMMIT_FILE)
-        return os.path.getmtime(path) if os.path.exists(path) else None
-    c = catalog.choice(step)
-    if c is not None:
-        return c.created
-    with catalog._lock:
-        return catalog._in_flight[step][0] if step in catalog._in_flight else None
 
 
 def _to_delete(tier: str, steps: Sequence[int], keep: int | None, rule: Retention,

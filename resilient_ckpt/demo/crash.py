@@ -257,8 +257,7 @@ def start_gcs(a):
         sys.exit(f"{e}\n(or run with --gcs gs://bucket/prefix for a real bucket, or --no-gcs)")
     server.create_bucket(DEMO_BUCKET)
     a.gcs, a.gcs_endpoint = f"gs://{DEMO_BUCKET}/{run}", server.endpoint
-    assert server._proc is not None  # started
-    print(f"GCS tier: fake-gcs-server at {server.endpoint} (pid {server._proc.pid}), "
+    print(f"GCS tier: fake-gcs-server at {server.endpoint} (pid {server.pid}), "
           f"{a.gcs}", flush=True)
     return server
 

@@ -221,9 +221,24 @@ class HostSnapshotTier:
             self._snaps[step] = snap
             for s in hostplan.beyond_keep(self._snaps, self.keep):
                 self._drop(s, f"retention (keep={self.keep})")
-        _start_prepare(self, snap)
+        self._start_prepare(snap)
         with self._lock:  # last: `wait` returns only once `preparing` is started
             self._pending = None
+
+    def _start_prepare(self, snap: _Snapshot) -> None:
+        """After a commit: compiles the restore's programs for `likely_meshes` in
+        the background, once per layout of the state (in a thread of its own, so
+        the next `take` does not wait for it; not a daemon: interpreter exit
+        waits for a compile in flight rather than killing it inside XLA)."""
+        sig = tuple((li, mesh_key(m), str(p)) for li, (m, p) in snap.shardings.items())
+        if self.likely_meshes is not None and sig not in self._prepared:
+            self._prepared.add(sig)
+            t = threading.Thread(
+                target=_prepare, name="rc-hostsnap-compile",
+                args=(snap.record, snap.shardings, self.likely_meshes, self._programs,
+                      lambda: sig in self._prepared))
+            t.start()
+            self.preparing = t  # published started: a reader may join it at once
 
     # ---------------------------------------------------------------- reading
 
@@ -354,22 +369,6 @@ def _completed(snap: _Snapshot) -> SnapshotRecord:
         dataclasses.replace(b, checksum=sums[(li, bi)]) for bi, b in enumerate(leaf.blocks)))
         if leaf.blocks is not None else leaf for li, leaf in enumerate(snap.record.leaves))
     return SnapshotRecord(snap.record.step, leaves, complete=True)
-
-
-def _start_prepare(tier: HostSnapshotTier, snap: _Snapshot) -> None:
-    """After a commit: compiles the restore's programs for `likely_meshes` in
-    the background, once per layout of the state (in a thread of its own, so
-    the next `take` does not wait for it; not a daemon: interpreter exit
-    waits for a compile in flight rather than killing it inside XLA)."""
-    sig = tuple((li, mesh_key(m), str(p)) for li, (m, p) in snap.shardings.items())
-    if tier.likely_meshes is not None and sig not in tier._prepared:
-        tier._prepared.add(sig)
-        t = threading.Thread(
-            target=_prepare, name="rc-hostsnap-compile",
-            args=(snap.record, snap.shardings, tier.likely_meshes, tier._programs,
-                  lambda: sig in tier._prepared))
-        t.start()
-        tier.preparing = t  # published started: a reader may join it at once
 
 
 def _prepare(record: SnapshotRecord, shardings: dict[int, tuple[Mesh, PartitionSpec]],

@@ -112,7 +112,7 @@ class FsspecStorage(Storage):
                                              "pip install 'resilient_ckpt[s3]'") from e
         if hasattr(self._fs, "retries"):
             self._fs.retries = 1  # s3fs's own loop: ours decides
-        self._root = self._fs._strip_protocol(self.url).rstrip("/")
+        self._root = fsspec.core.strip_protocol(self.url).rstrip("/")
         self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="rc-fsspec")
         self._closed = False
         self._attempts = Attempts()

@@ -6,9 +6,14 @@ and ours on (storage/retry.py). Ranged reads and part uploads go through the
 same authorized HTTP session, streamed straight into or out of our buffers:
 reads measured about twice as fast as the client's own download path.
 
-- Writes (`put`, `put_stream`, `put_if_absent`) are done by a GcsUploads
-  (storage/gcs_upload.py): one request up to `piece_bytes`, larger objects as
-  parts composed into the final object, the commit as a create-only upload.
+- Writes: `put` and `put_stream` are split by a GcsUploads
+  (storage/gcs_upload.py) into requests of this class: one request
+  (`put_media`) up to `piece_bytes`, larger objects as parts composed
+  (`compose`) into the final object.
+- `put_if_absent` (the commit) is a multipart upload with
+  `if_generation_match=0`. If it is refused (412) the object is read back: a
+  retried request whose first try had in fact landed finds its own bytes there
+  and counts as committed; anything else means another writer won.
 - A read checks that the body has every byte asked for; a short body is
   retried, an object that is really shorter is an error.
 - Finding steps never lists every object: `list` lists one level (step
@@ -20,6 +25,7 @@ Every failure leaves as StorageError (an OSError) naming the gs:// path.
 """
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import errno
 import io
@@ -28,8 +34,11 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
+import numpy as np
+
 from ..errors import CheckpointError, StorageError
-from .base import Storage, check_size, read_in_ranges
+from ..native import crc32c
+from .base import Storage, check_size, ours_already, read_in_ranges
 from .gcs_upload import GcsUploads, _Status
 from .retry import Attempts, RetryPolicy, Transient, http_status
 
@@ -96,14 +105,21 @@ class GcsStorage(Storage):
     def _name(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _where(self, key: str) -> str:
+    def where(self, key: str) -> str:
+        """`key`'s gs:// URL, as errors name it."""
         return f"{self.url}/{key}" if key else self.url
+
+    def in_parallel(self, fn: Callable[[str], None], keys: list[str]) -> None:
+        """Calls `fn` on each key in the store's thread pool; waits for all
+        (the first failure raised)."""
+        for f in [self._pool.submit(fn, k) for k in keys]:
+            f.result()
 
     def _timeout(self) -> tuple[float, float]:
         return (min(10.0, self.retry.attempt_timeout_s), self.retry.attempt_timeout_s)
 
     def _call(self, fn: Callable, what: str, key: str):
-        return self._attempts.call(fn, self.retry, f"{what} {self._where(key)}",
+        return self._attempts.call(fn, self.retry, f"{what} {self.where(key)}",
                                    lambda e: self._final(e, what, key))
 
     @property
@@ -115,7 +131,7 @@ class GcsStorage(Storage):
         if isinstance(e, CheckpointError):
             return e  # ours already (a source that failed mid-upload, say)
         status = http_status(e)
-        where = self._where(key)
+        where = self.where(key)
         if status == 404:
             return StorageError(errno.ENOENT, f"{what} {where}: not found (HTTP 404); does "
                                               f"the bucket {self.bucket_name} exist?")
@@ -139,7 +155,49 @@ class GcsStorage(Storage):
         self._uploads.put_stream(key, opener, size)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        return self._uploads.put_if_absent(key, data)
+        from google.api_core.exceptions import PreconditionFailed
+
+        data = bytes(data)
+
+        def attempt() -> bool:
+            blob = self._bucket.blob(self._name(key))
+            try:
+                # Up to 8 MiB this is one multipart request, the kind the
+                # emulator also holds to the precondition (docs/environment.md).
+                blob.upload_from_file(io.BytesIO(data), size=len(data), if_generation_match=0,
+                                      checksum="crc32c", retry=None, timeout=self._timeout())
+                return True
+            except PreconditionFailed:
+                return False
+        return self._call(attempt, "commit of", key) or ours_already(self, key, data)
+
+    def put_media(self, key: str, data) -> None:
+        """One upload request (no precondition), checked against the size and
+        crc32c the server reports."""
+        url = (f"{self._api}/upload/storage/v1/b/{self.bucket_name}/o?uploadType=media&name="
+               + urllib.parse.quote(self._name(key), safe=""))
+        want = base64.b64encode(crc32c.value(np.frombuffer(data, np.uint8))
+                                .to_bytes(4, "big")).decode()
+
+        def attempt():
+            resp = self._session.post(url, data=data, timeout=self._timeout(),
+                                      headers={"Content-Type": "application/octet-stream"})
+            if resp.status_code != 200:
+                raise _Status(resp.status_code, resp.text, resp.headers)
+            got = resp.json()
+            if int(got.get("size", -1)) != len(data) or got.get("crc32c", want) != want:
+                raise Transient(f"stored {got.get('size')} bytes with crc32c "
+                                f"{got.get('crc32c')}; sent {len(data)} with {want}")
+        self._call(attempt, "upload of", key)
+
+    def compose(self, key: str, parts: list[str]):
+        """One compose request: `parts` (at most 32) into `key`; its blob."""
+        def attempt():
+            blob = self._bucket.blob(self._name(key))
+            blob.compose([self._bucket.blob(self._name(p)) for p in parts], retry=None,
+                         timeout=self._timeout())
+            return blob
+        return self._call(attempt, "compose of", key)
 
     # ------------------------------------------------------------ reads
 
@@ -155,7 +213,7 @@ class GcsStorage(Storage):
                                  timeout=self._timeout())
         try:
             if resp.status_code == 416:
-                raise StorageError(errno.EIO, f"{self._where(key)}: shorter than byte "
+                raise StorageError(errno.EIO, f"{self.where(key)}: shorter than byte "
                                               f"{offset + len(view)}; the object is truncated")
             if resp.status_code not in (200, 206):
                 raise _Status(resp.status_code, resp.text, resp.headers)
@@ -170,7 +228,7 @@ class GcsStorage(Storage):
             if got < len(view):
                 total = resp.headers.get("Content-Range", "").rpartition("/")[2]
                 if total.isdigit() and int(total) < offset + len(view):
-                    raise StorageError(errno.EIO, f"{self._where(key)}: {total} bytes, "
+                    raise StorageError(errno.EIO, f"{self.where(key)}: {total} bytes, "
                                                   f"fewer than the {offset + len(view)} "
                                                   "expected; the object is truncated")
                 raise Transient(f"body cut short at {got} of {len(view)} bytes")
@@ -190,11 +248,11 @@ class GcsStorage(Storage):
                     raise _Status(resp.status_code, resp.text, resp.headers)
                 n = resp.headers.get("Content-Length")
                 if n is not None and n.isdigit():
-                    check_size(self._where(key), int(n), max_bytes)
+                    check_size(self.where(key), int(n), max_bytes)
                 parts, got = [], 0
                 for part in resp.iter_content(1 << 20):  # stops past max_bytes, unsized too
                     got += len(part)
-                    check_size(self._where(key), got, max_bytes)
+                    check_size(self.where(key), got, max_bytes)
                     parts.append(part)
                 if n is not None and n.isdigit() and int(n) != got:
                     raise Transient(f"body cut short at {got} of {n} bytes")
@@ -249,8 +307,7 @@ class GcsStorage(Storage):
     def delete_dir(self, prefix: str) -> None:
         blobs, _ = self._list(f"{prefix}/", None)
         cut = len(self._name(""))
-        for f in [self._pool.submit(self.delete, b.name[cut:]) for b in blobs]:
-            f.result()
+        self.in_parallel(self.delete, [b.name[cut:] for b in blobs])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
