@@ -25,7 +25,7 @@ from typing import Any
 
 from etils import epath
 
-from .catalog.catalog import Catalog, created_of
+from .catalog.catalog import Catalog
 from .compat import args as args_lib, metadata, orbax_steps as legacy, rootmeta
 from .coordination import Coordinator
 from .core import policies, retention
@@ -330,7 +330,7 @@ def _due_by_policy(m: CheckpointManager, step: int) -> list[Tier]:
     """`_due` with a save-decision policy: asked as Orbax asks it, with every
     step that exists (time and metrics read only if the policy looks)."""
     o = m._options
-    history = [policies.StepInfo(s, functools.partial(created_of, m.catalog, s),
+    history = [policies.StepInfo(s, functools.partial(m.catalog.created, s),
                                  functools.partial(m.metrics, s)) for s in m.all_steps()]
     yes = policies.should_save(
         o.save_decision_policy, step, history, preempted=m.reached_preemption(step),

@@ -25,7 +25,6 @@ from orbax.checkpoint.experimental.v1 import training as v1
 from orbax.checkpoint.experimental.v1.training import Checkpointer as _Orbax
 
 from . import errors
-from .catalog.catalog import created_of
 from .compat.args import DEFAULT_ITEM
 from .core.layout import StepNaming
 from .core.pytree import flatten, leaf_kind
@@ -175,7 +174,7 @@ class Checkpointer(_Orbax):  # Orbax marks its class @final: for type checkers o
     def _info(self, step: int) -> Any:
         return v1.CheckpointMetadata(
             step, self._path(step), metadata=None, metrics=self._manager.metrics(step),
-            commit_timestamp_nsecs=_nsecs(created_of(self._manager.catalog, step)))
+            commit_timestamp_nsecs=_nsecs(self._manager.catalog.created(step)))
 
     def _path(self, step: int) -> Any:
         return self.directory / self._manager.naming.name(step)
