@@ -33,7 +33,7 @@ from .core.layout import StepNaming
 from .core.selection import Choice
 from .errors import StepAlreadyExistsError, StepNotFoundError
 from .multihost.agree import Peers
-from .options import CheckpointManagerOptions, resolve
+from .options import CheckpointManagerOptions, due, resolve
 from .restore.assemble import RestoreRecord, restore_choice
 from .save import cleanup, colocated
 from .save.saver import Saver, SaveRecord, Tier
@@ -142,7 +142,33 @@ class CheckpointManager:
         return bool(ocp_utils.reached_preemption(step))
 
     def should_save(self, step: int) -> bool:
-        return bool(_due(self, step))
+        return bool(self._due(step))
+
+    def _due(self, step: int, force: bool = False) -> list[Tier]:
+        """The tiers a save of `step` goes to: `options.due` decides, from the
+        plan and this call's facts; the questions it may ask (the user's
+        `should_save_fn`, the preemption check, the save-decision policy) are
+        asked here, as Orbax asks them."""
+        o, latest = self._options, self.latest_step()
+        fn = o.should_save_fn
+        chosen = {t.name for t in due(
+            self._plan, step, latest, force=force,
+            preempted=functools.partial(self.reached_preemption, step),
+            fn_says=(lambda: bool(fn(step, latest))) if fn is not None else (lambda: False),
+            policy_says=functools.partial(self._policy_says, step))}
+        return [t for t in self._saver.tiers if t.plan.name in chosen]
+
+    def _policy_says(self, step: int) -> bool:
+        """The save-decision policy's answer for `step`, asked as Orbax asks it,
+        with every step that exists (time and metrics read only if it looks)."""
+        o = self._options
+        history = [policies.StepInfo(s, functools.partial(self.catalog.created, s),
+                                     functools.partial(self.metrics, s))
+                   for s in self.all_steps()]
+        return policies.should_save(
+            o.save_decision_policy, step, history, preempted=self.reached_preemption(step),
+            saving=o.enable_should_save_is_saving_in_progress_check
+            and self.is_saving_in_progress())
 
     # ------------------------------------------------------------ save
 
@@ -164,8 +190,8 @@ class CheckpointManager:
         if self._options.read_only:
             log.warning("%s is read only; save of step %d skipped", self._directory, step)
             return False
-        due = list(self._saver.tiers) if force else _due(self, step)  # one policy call a save
-        if not due:  # the memory a save of this state takes, faulted in ahead (once)
+        tiers = self._due(step, bool(force))  # one policy call a save
+        if not tiers:  # the memory a save of this state takes, faulted in ahead (once)
             self._saver.warm([v for _, kind, v in item_list if kind != "json"])
             return False
         if step in self.all_steps():
@@ -176,7 +202,7 @@ class CheckpointManager:
                                             self.catalog.peers.index)
         save_id = self._coord.start_save(step, in_use)
         self.save_records.append(
-            self._saver.start(step, due, item_list, metrics, custom_metadata, save_id))
+            self._saver.start(step, tiers, item_list, metrics, custom_metadata, save_id))
         if not self._options.enable_async_checkpointing:
             self.wait_until_finished()
         return True
@@ -225,7 +251,7 @@ class CheckpointManager:
         to older ones, with a warning, when chunks of the newest are corrupt)."""
         del restore_kwargs
         if directory is not None and str(directory) != str(self._directory):
-            return _restore_elsewhere(self, directory, step, items, args)
+            return self._restore_elsewhere(directory, step, items, args)
         args = self._mode.restore_args(args, items, functools.partial(_composite_step, self, step))
         requests, is_composite = args_lib.restore_requests(args, self._declared)
         self._saver.wait_for_restore(step, lambda s: s in self.catalog.steps())
@@ -251,6 +277,18 @@ class CheckpointManager:
         if not self._options.read_only:  # what the next save copies, faulted in ahead
             self._saver.warm(args_lib.restored_trees(out))
         return out
+
+    def _restore_elsewhere(self, directory: Any, step: int | None, items: Any,
+                           args: Any) -> Any:
+        """`restore(directory=...)`: a read-only manager of that directory, for one
+        restore, under this manager's item mode (which that restore may set)."""
+        other = CheckpointManager(directory, options=dataclasses.replace(
+            self._options, tiers=(), read_only=True, cleanup_tmp_directories=False))
+        other._mode = self._mode
+        try:
+            return other.restore(step, items=items, args=args)
+        finally:
+            other.close()
 
     @property
     def last_restore(self) -> RestoreRecord | None:
@@ -307,42 +345,6 @@ def _clean(tiers: list[Tier], naming: StepNaming, process_index: int) -> None:
                           process_index)
 
 
-def _due(m: CheckpointManager, step: int) -> list[Tier]:
-    """The tiers a save of `step` goes to: none when read-only or when `step`
-    is not newer than the latest; all of them for the first save, a step in
-    `save_on_steps`, or a preemption; else each tier whose interval divides
-    the step. `should_save_fn`, when given, decides for all tiers; a
-    `save_decision_policy` for the tiers without an `every` of their own."""
-    o, tiers, latest = m._options, m._saver.tiers, m.latest_step()
-    if o.read_only or (latest is not None and latest >= step):
-        return []
-    if o.save_decision_policy is not None:
-        return _due_by_policy(m, step)
-    preempted = functools.partial(m.reached_preemption, step)
-    if o.should_save_fn is not None:
-        return list(tiers) if o.should_save_fn(step, latest) or preempted() else []
-    if latest is None or (o.save_on_steps and step in o.save_on_steps) or preempted():
-        return list(tiers)
-    return [t for t in tiers if t.plan.every and step % t.plan.every == 0]
-
-
-def _due_by_policy(m: CheckpointManager, step: int) -> list[Tier]:
-    """`_due` with a save-decision policy: asked as Orbax asks it, with every
-    step that exists (time and metrics read only if the policy looks)."""
-    o = m._options
-    history = [policies.StepInfo(s, functools.partial(m.catalog.created, s),
-                                 functools.partial(m.metrics, s)) for s in m.all_steps()]
-    yes = policies.should_save(
-        o.save_decision_policy, step, history, preempted=m.reached_preemption(step),
-        saving=o.enable_should_save_is_saving_in_progress_check and m.is_saving_in_progress())
-
-    def due(t: Tier) -> bool:  # a tier with its own interval keeps it
-        if t.plan.config.every is None:
-            return yes
-        return bool(t.plan.every) and step % t.plan.every == 0
-    return [t for t in m._saver.tiers if due(t)]
-
-
 def _preflight(directory: Any, o: CheckpointManagerOptions) -> None:
     """What must hold before anything is opened: colocated Python when asked
     for; with `create=False`, the directory (a read-only manager of a missing
@@ -352,19 +354,6 @@ def _preflight(directory: Any, o: CheckpointManagerOptions) -> None:
     remote = str(directory).startswith("gs://")
     if not o.create and not remote and not os.path.isdir(directory) and not o.read_only:
         raise FileNotFoundError(f"{directory} does not exist and options.create=False")
-
-
-def _restore_elsewhere(m: CheckpointManager, directory: Any, step: int | None,
-                       items: Any, args: Any) -> Any:
-    """`restore(directory=...)`: a read-only manager of that directory, for one
-    restore, under `m`'s item mode (which that restore may set)."""
-    other = CheckpointManager(directory, options=dataclasses.replace(
-        m._options, tiers=(), read_only=True, cleanup_tmp_directories=False))
-    other._mode = m._mode
-    try:
-        return other.restore(step, items=items, args=args)
-    finally:
-        other.close()
 
 
 def _orbax_choice(step: int | None, ours: Any, orbax: set[int]) -> int | None:

@@ -167,6 +167,17 @@ class TierPlan:
     encoding: Encoding
     own_io: int | None  # threads of a pool of its own (GCS, RAM), or None: the shared pool
     replicas: bool = False  # on a per-host tier: keep every shard this host holds
+    own_every: bool = False  # its config set `every` (a save-decision policy leaves it)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveRule:
+    """What the options say about when a save is due (`due` reads it)."""
+
+    read_only: bool = False  # no save is ever due
+    on_steps: Container[int] | None = None  # `save_on_steps`: due on every tier
+    by_fn: bool = False  # a `should_save_fn` decides for all tiers
+    by_policy: bool = False  # a `save_decision_policy` decides for the tiers without `every`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +190,7 @@ class Plan:
     retention: Retention
     writable: bool  # neither read-only nor asked not to create
     on_owning_hosts: bool = False  # chunks written by the hosts owning the shards
+    saving: SaveRule = SaveRule()  # when a save is due (`due`)
 
 
 def memory_threads(io_threads: int) -> int:
@@ -225,11 +237,56 @@ def resolve(options: CheckpointManagerOptions, directory: str) -> Plan:
         tiers.append(TierPlan(name, t, every, keep,
                               Encoding(gcs.codec, gcs.level) if gcs else Encoding(),
                               own_io,
-                              replicas=isinstance(t, RamTier) and t.replicas))
+                              replicas=isinstance(t, RamTier) and t.replicas,
+                              own_every=t.every is not None))
     return Plan(directory, tuple(tiers),
                 StepNaming(o.step_prefix, o.step_format_fixed_length),
                 Retention(o.keep_period, o.best_fn, o.best_mode,
                           o.keep_checkpoints_without_metrics, o.preservation_policy,
                           frozenset(by_policy), o.keep_newest_step),
                 writable=o.create and not o.read_only,
-                on_owning_hosts=o.write_on_owning_hosts)
+                on_owning_hosts=o.write_on_owning_hosts,
+                saving=SaveRule(o.read_only, o.save_on_steps, o.should_save_fn is not None,
+                                o.save_decision_policy is not None))
+
+
+def _no() -> bool:
+    return False
+
+
+def due(plan: Plan, step: int, latest: int | None, *, force: bool = False,
+        preempted: Callable[[], bool] = _no, fn_says: Callable[[], bool] = _no,
+        policy_says: Callable[[], bool] = _no) -> tuple[TierPlan, ...]:
+    """The tiers a save of `step` goes to, `latest` being the newest step there
+    is (None: no step yet). The one place that decides it.
+
+    None when read-only. All of them when `force`d. Otherwise none when `step`
+    is not newer than `latest`; then, with a save-decision policy, the tiers
+    without an `every` of their own when `policy_says()`, and each tier with
+    its own `every` when that interval divides the step; with a
+    `should_save_fn`, all tiers when `fn_says()` or `preempted()`, else none;
+    without either, all tiers for the first save, a step in `save_on_steps`
+    or a preemption, else each tier whose interval divides the step.
+
+    The answers are questions (a user's function, Orbax's preemption check, a
+    policy object), asked only when they decide and in this order, as Orbax's
+    manager asks them; a policy is handed the preemption itself.
+    """
+    rule, tiers = plan.saving, plan.tiers
+    if rule.read_only:
+        return ()
+    if force:
+        return tiers
+    if latest is not None and latest >= step:
+        return ()
+
+    def on_interval(t: TierPlan) -> bool:
+        return bool(t.every) and step % t.every == 0
+    if rule.by_policy:
+        yes = policy_says()
+        return tuple(t for t in tiers if (on_interval(t) if t.own_every else yes))
+    if rule.by_fn:
+        return tiers if fn_says() or preempted() else ()
+    if latest is None or (rule.on_steps and step in rule.on_steps) or preempted():
+        return tiers
+    return tuple(t for t in tiers if on_interval(t))
