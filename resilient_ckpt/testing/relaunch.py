@@ -55,7 +55,7 @@ ctx.pid, ctx.nprocs = jax.process_index(), jax.process_count()
 ctx.dir, ctx.ram = o.dir, o.ram.replace("{pid}", str(ctx.pid))
 ctx.shapes = mh.state_shapes(o.state_bytes)
 ctx.mesh = mh.make_mesh(o.mesh)
-mh._bind(ctx)
+mh.bind(ctx)
 
 
 def open_manager(abstract):
