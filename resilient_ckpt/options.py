@@ -197,9 +197,9 @@ def memory_threads(io_threads: int) -> int:
     """Threads of the RAM tier's own pool: its writes are memory copies (and
     first touch of tmpfs pages), bound by cores, not by I/O in flight. Shared
     with the disk tiers, they queued the local tier's writes behind them and
-    took the cores its O_DIRECT submissions needed (1 GB on 2 cores, RAM and
-    local tiers together: local 0.75-0.91 s shared, 0.50-0.62 s with pools of
-    their own, 0.52-0.56 s alone)."""
+    took the cores its O_DIRECT submissions needed: with pools of their own,
+    the local tier writes beside the RAM tier about as fast as alone
+    (docs/benchmarks.md)."""
     affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all cores
     cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return max(1, min(io_threads, cores))

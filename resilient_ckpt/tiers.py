@@ -147,8 +147,8 @@ class GcsTier:
     `piece_bytes` goes in one request (straight from the RAM tier's mapping or
     the snapshot, without a copy); a larger one in parts of `piece_bytes`,
     composed on GCS, so an upload holds at most two pieces of memory.
-    `codec`: "raw" (the default: measured faster here for float32 and bfloat16
-    alike, docs/gcs.md) or "zstd" (at `level`, only for chunks it shrinks by 3%
+    `codec`: "raw" (the default: faster for float32 and bfloat16 alike in
+    our measurements, docs/gcs.md) or "zstd" (at `level`, only for chunks it shrinks by 3%
     or more; worth it where a host's upload is slow and it has cores to spare,
     mostly for bfloat16 states). `endpoint`: an emulator's URL (default: the
     STORAGE_EMULATOR_HOST variable, else Google's). `retry`: backoff and

@@ -172,7 +172,7 @@ def decode_scalar(d: dict) -> Any:
 
 # The records' tuples go to json.dumps as they are (it writes a tuple as a
 # JSON array): copying them into lists made three more objects per chunk, and
-# a 256 MB save's manifest (3086 chunks) then set off some 20 collections.
+# a manifest of thousands of chunks then set off many garbage collections.
 def _chunk_to_json(c: ChunkRecord) -> dict:
     return {"offsets": c.offsets, "sizes": c.sizes, "key": c.key,
             "nbytes": c.nbytes, "stored_nbytes": c.stored_nbytes,

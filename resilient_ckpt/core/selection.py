@@ -118,8 +118,9 @@ def viable(observations: Mapping[int, Sequence[TierStep]], tier_order: Sequence[
     `bad` holds (tier, object key) pairs known to fail their checksum. `memo`
     (kept by the caller between calls, rewritten by each) holds each step's
     answer with the very TierStep objects and `bad` it came from: a step whose
-    views are the same objects is not judged again (a step's chunks took 0.04 s
-    to judge at 3000 chunks, on the training thread, after every commit).
+    views are the same objects is not judged again (judging a step of
+    thousands of chunks is not free, and it ran on the training thread after
+    every commit).
     """
     out, seen = {}, {}
     basis = (bad, tuple(tier_order))

@@ -50,7 +50,7 @@ def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 
 def box_elements(box: Box) -> int:
-    return int(math.prod(box[1]))  # 20x quicker than np.prod on a few ints
+    return int(math.prod(box[1]))  # much quicker than np.prod on a few ints
 
 
 def describe(sharding: jax.sharding.Sharding) -> dict:

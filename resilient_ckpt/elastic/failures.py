@@ -193,7 +193,7 @@ class HealthCheck:
 
     The tiny program is compiled once per device, ahead of time, and held here,
     so the check stays a few milliseconds even right after `jax.clear_caches()`
-    (a fresh jit per device costs ~70 ms each on these CPUs). `prepare` compiles
+    (a fresh jit per device costs a compile each). `prepare` compiles
     for devices up front, off the recovery path. A device is healthy when its
     answer is right within the timeout; `last_errors` says why the others are not.
     """

@@ -16,8 +16,8 @@ This module owns the jax programs of `hostsnap`:
 - `Programs.checksums` and `Programs.assemble`: one SPMD program over a 1-D
   mesh of the devices concerned, whose blocks of one shape are stacked along
   their first dimension (`stack`, no copy), instead of one program per
-  device: jax compiles a program per device set, about 0.1 s each on this
-  project's CPU machines, which per device would sit on the recovery path.
+  device: jax compiles a program per device set, and a compile per device
+  would sit on the recovery path.
   `assemble` checks each block moved to a target device and places the
   elements each target block needs from them, on that device. They are
   held as compiled executables, which outlive `jax.clear_caches()`, until

@@ -10,13 +10,13 @@ smaller mesh (CPU backend), which a restore onto that mesh is read into.
 Why the reserve: on the CPU backend a RAM-tier restore aliases the tier's
 file mappings, and XLA cannot donate memory it does not own, so the first
 step after such a restore writes the whole state into fresh buffers. Fresh
-memory runs at 1.5-3 GB/s on these machines (page faults under a hypervisor)
-against 20-25 GB/s for a copy into touched memory, and that step cost
-0.3-0.65 s per GB. So the restore onto that mesh reads the chunks straight
-into buffers allocated and touched ahead of time (`restore.Into` leaves):
-XLA owns them (the next step donates them), nothing is mapped (whose unmap
-cost 0.07 s per GB in the first step's dispatch) and no second copy is made;
-the price is one more copy of the state in host memory.
+memory is slow under a hypervisor (page faults; an order of magnitude slower
+than a copy into touched memory, docs/environment.md), and that step paid for
+it. So the restore onto that mesh reads the chunks straight into buffers
+allocated and touched ahead of time (`restore.Into` leaves): XLA owns them
+(the next step donates them), nothing is mapped (whose unmap the first step's
+dispatch would pay for) and no second copy is made; the price is one more
+copy of the state in host memory.
 """
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def check_on_mesh(abstract: Any, mesh: Mesh) -> None:
 
 def _put_like(x: Any, target: Any) -> Any:
     """`x` on `target`'s sharding. Through host memory: a device-to-device
-    reshard onto another device set compiles a copy program first (0.6 s for
-    256 MB here, and again after each jax.clear_caches()); the host path took
-    0.12-0.15 s every time."""
+    reshard onto another device set compiles a copy program first (and again
+    after each jax.clear_caches()), which costs more than the host path
+    (docs/benchmarks.md)."""
     sharding = getattr(target, "sharding", None)
     if not isinstance(x, jax.Array) or sharding is None:
         return x

@@ -1,7 +1,7 @@
 """CRC32C of buffers, computed without holding the GIL.
 
 `google_crc32c.value` holds the GIL while it runs (two threads checksumming
-two buffers here took longer than one thread doing both), so a save's
+two buffers take longer than one thread doing both), so a save's
 background checksums stalled the training thread and a restore's read pool
 checksummed on one core. The same C library ships inside the google_crc32c
 wheel; called through ctypes, which drops the GIL for the call, checksums on
@@ -13,8 +13,8 @@ contiguous is refused by it, as before).
 CRC32Cs, combined (the CRC of A + B follows from those of A and B and the
 length of B), must equal the CRC of the whole run. One call over 40 blocks
 of 256 KiB instead of 40 keeps the readers' threads from trading the GIL 40
-times (a stitched resharded restore checked block by block spent 1.5x the
-thread time of whole chunks here). A mismatch is then found block by block.
+times (a stitched resharded restore checked block by block spent more thread
+time than one of whole chunks). A mismatch is then found block by block.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 `host_buffer` gives a fresh page-aligned buffer, backed by huge pages and
 populated by the kernel in one call where it can (first touch of fresh memory
-is the slowest step of a restore on these machines); `carve` cuts several
+is the slowest step of a restore on a VM, docs/environment.md); `carve` cuts several
 such buffers from one mapping, for one leaf's shards; `BufferPool` lends
 such buffers again and again (compressed chunks on their way in or out),
 within a bound on their bytes; `cached` says whether the page cache holds
@@ -42,7 +42,7 @@ _MAP_FIXED = 0x10
 
 def host_mmap(nbytes: int, threads: int = 1) -> mmap.mmap:
     """Fresh anonymous memory of at least `nbytes`, populated where it is big
-    (by `threads` threads side by side: 2 took half as long as 1 here)."""
+    (by `threads` threads side by side, each faulting in its share)."""
     m = mmap.mmap(-1, max(nbytes, 1))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
@@ -53,7 +53,8 @@ def host_mmap(nbytes: int, threads: int = 1) -> mmap.mmap:
 
 def _populate(m: mmap.mmap, threads: int) -> None:
     """Has the kernel fault `m` in, without the GIL: mmap.madvise holds it
-    (0.35 s for 512 MiB here, other threads stopped), ctypes releases it."""
+    (every other thread stops for as long as the kernel faults), ctypes
+    releases it."""
     anchor = ctypes.c_char.from_buffer(m)
     try:
         base, step = ctypes.addressof(anchor), -(-len(m) // threads // PAGE) * PAGE
@@ -109,10 +110,9 @@ def carve(sizes: list[int], threads: int = 2) -> list[np.ndarray]:
     """Fresh page-aligned uint8 buffers of `sizes`, cut from as few populated
     mappings as CARVE_BYTES allows; a mapping is freed when all its buffers
     are. Meant for the buffers of one leaf, which live and die together.
-    After the host had reclaimed freed memory, populating 1 GB as 776
-    mappings of 1.3 MiB took 0.87 s on 4 threads here, as 137 of 7.5 MiB
-    0.35-0.48 s on 2 (fewer mappings and threads contending: this guest
-    gets no huge pages; docs/benchmarks.md)."""
+    Few large mappings populate faster than many small ones (fewer mappings
+    and threads contending where a guest gets no huge pages;
+    docs/benchmarks.md)."""
     groups: list[list[int]] = []  # sizes
     held = CARVE_BYTES  # of the last group: the first size starts one
     for n in sizes:
@@ -198,8 +198,8 @@ class BufferPool:
 def untouched_zeros(shape: tuple, dtype) -> np.ndarray:
     """Zeros in fresh page-aligned memory that is not populated: no resident
     memory until written, and aligned, so jax's CPU client aliases it rather
-    than copying it (np.zeros is not: a lost host's 1 GB of shards to fill
-    from its peers was copied and resident)."""
+    than copying it (np.zeros is not: a lost host's shards to fill from its
+    peers were copied and resident)."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n].view(dtype).reshape(shape)

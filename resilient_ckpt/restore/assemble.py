@@ -175,11 +175,9 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
 
 
 # A RAM-tier chunk up to this size is mapped and checked on the restoring
-# thread: a pool task's hand-offs cost more than its checksum (~0.1 ms a MiB).
-# At 1 MiB the restoring thread checked most of a 1 GB state (432 of its 671
-# chunks are 0.5-1 MiB) while the pool's threads idled: 0.095-0.103 s per
-# restore here, 0.079-0.090 s at 256 KiB (128 and 64 KiB the same; a 256 MB
-# state of 83 KB chunks unchanged, 0.13-0.15 s).
+# thread: a pool task's hand-offs cost more than a small chunk's checksum. Much
+# larger, and the restoring thread checks most of a big state's chunks itself
+# while the pool's threads idle; smaller gains nothing (docs/benchmarks.md).
 INLINE_BYTES = 256 << 10
 
 
@@ -193,8 +191,7 @@ def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: boo
     """reader.whole(c) into `out` (None: the chunk is `_mappable`) started on
     the reader's pool, or done on this thread for a small chunk mapped from
     the RAM tier: on the pool its few system calls each waited for the GIL
-    while this thread planned the next leaves (a 256 MB restore of 3086
-    chunks took 1.0 s, 0.6 s with them here)."""
+    while this thread planned the next leaves."""
     if out is not None or c.stored_nbytes > INLINE_BYTES:
         return reader.pool.submit(reader.whole, c, where, zero_copy, out)
     done: cf.Future = cf.Future()
@@ -322,7 +319,7 @@ def _writable(into: jax.Array, sharding: jax.sharding.Sharding, by_box: dict
 
 def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict) -> jax.Array:
     """The jax array of a leaf from its host boxes, in one batched put (a put
-    per shard cost 0.28 ms against 0.02 ms per leaf of 8 shards here). On the
+    per shard costs an order of magnitude more than one per leaf). On the
     CPU backend each device's shard aliases its box's host buffer, several
     devices' the same one where a box is replicated, as jax's own device_put
     of a numpy array does: XLA never writes into memory it does not own (a
@@ -375,8 +372,8 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
     t0 = time.perf_counter()
     started = []
     # No garbage collection meanwhile: the futures and views made here set it
-    # off every few leaves, and jax's hook on each collection cost 0.04 s per
-    # 1 GB restored (119 leaves) here. What this allocates is freed by refcount.
+    # off every few leaves, and jax's hook runs on each collection. What this
+    # allocates is freed by refcount.
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -64,16 +64,15 @@ class ChunkReader:
         self._why: dict[tuple[str, str], str] = {}  # (tier, key) -> why that copy failed
         self._resident: dict[tuple[str, str], bool] = {}  # (tier, key) -> maps() said
         # Whole-chunk reads of one leaf run side by side: preadv and the
-        # checksum overlap across chunks (1.4-1.75x on a cold disk here).
+        # checksum overlap across chunks (faster on a cold disk, docs/benchmarks.md).
         self.pool = cf.ThreadPoolExecutor(4, thread_name_prefix="rc-restore")
         # With several processes: every jax leaf by name, for a fill of the
         # shards this process could not read from its peers (restore.Hole);
         # None: a leaf that cannot be read whole here is an error.
         self.fills: dict[str, Any] | None = None
         # Compressed chunks are read into these before decoding: a quarter of
-        # the budget in all (half gave 0.92-0.99 of the restore's memory
-        # promise at 1 GB here, a quarter 0.84-0.92, as fast), reused from
-        # chunk to chunk.
+        # the budget in all (half brought a restore near its memory promise,
+        # and a quarter read as fast), reused from chunk to chunk.
         self.packed = BufferPool(self.budget // 4)
         self._held = contextlib.ExitStack()  # the step's directory, open till close
         for st in storages.values():
@@ -243,9 +242,9 @@ class ChunkReader:
 
         Resharded onto fewer devices, a box spans parts of two chunks; mapped
         box by box, each box took its own region, two placements and a second
-        mapping of each partly placed checksum block (onto 6 of 8 devices, 1 GB
-        here: 312 mmap calls against 96 for the same sharding, 1.18-1.31x its
-        time); as runs, a leaf takes a region and a placement per chunk."""
+        mapping of each partly placed checksum block (several times the mmap
+        calls of the same sharding, and more time); as runs, a leaf takes a
+        region and a placement per chunk."""
         groups: dict[tuple, dict[str, ChunkRecord]] = {}
         need: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
         stack, left = {}, []

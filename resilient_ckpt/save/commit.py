@@ -139,7 +139,7 @@ MIN_GROUPS = 64  # ... in no fewer runs than this (given as many chunks): every 
 def _groups(jobs: list) -> list[list]:
     """`jobs` (fn, arg, bytes) in consecutive runs, each one task of the pool:
     a save of thousands of small chunks paid a submit, a wake-up and a future
-    per chunk (at 256 MB in 83 KB chunks, a sixth of the pool's samples). A
+    per chunk, a large share of the pool's time. A
     chunk of GROUP_BYTES or more is a run of its own."""
     most = max(1, min(GROUP_MOST, len(jobs) // MIN_GROUPS))
     groups: list[list] = []

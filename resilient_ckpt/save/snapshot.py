@@ -4,12 +4,12 @@ This is the only part of a save that blocks training. Each unique shard (replica
 0 of each box this process holds) is copied into a slab from `HostPool`; the
 copy completes before `take` returns, so the next step may donate or overwrite
 the state's buffers. Slabs are anonymous huge-page mappings kept for the next
-save: the first save pays for touching fresh memory (0.6-1.3 GB/s on these
-machines, against 15-23 GB/s into memory already touched, per
-docs/environment.md; 2.8-3 GB/s on two threads), unless the pool faulted its
-slab in ahead (`HostPool.warm`: after a restore, or a save call that was not
-due); every later save of the same state copies into warm memory. The pool
-holds at most what the host-memory budget lets be in flight.
+save: the first save pays for touching fresh memory (on a VM an order of
+magnitude slower than a copy into memory already touched; docs/environment.md),
+unless the pool faulted its slab in ahead (`HostPool.warm`: after a restore,
+or a save call that was not due); every later save of the same state copies
+into warm memory. The pool holds at most what the host-memory budget lets be in
+flight.
 
 On the CPU backend the devices' buffers are host memory already, and jax
 neither donates nor frees a buffer that a numpy view holds. There a save that
@@ -316,7 +316,7 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     if executor is None or len(order) < 2:
         copy(order)
     else:  # one job per copy thread, largest first, dealt in turn: a future per
-        # shard cost the training thread 0.1 s at 3000 shards (py-spy)
+        # shard costs the training thread dearly for a state of many shards
         for f in [executor.submit(copy, order[j::COPY_THREADS])
                   for j in range(COPY_THREADS)]:
             f.result()
@@ -338,8 +338,8 @@ def viewed(step: int, save_id: str, items: list[ItemRecord], sources: list,
            nbytes: int) -> Snapshot:
     """A snapshot whose chunks view the jax sources' buffers: nothing copied,
     no fresh memory touched on the training thread (faulting in a new slab
-    ran at 0.5-1 GB/s on these machines: a fresh job's first save of 4 GB
-    blocked 7.9 s). jax arrays are immutable, and a buffer a view holds is
+    is slow on a VM, docs/environment.md: it would block a fresh job's first
+    save for seconds). jax arrays are immutable, and a buffer a view holds is
     neither donated to the next step nor freed by its deletion, so the views
     keep the saved bytes until the tiers let go of the snapshot. numpy
     sources are the caller's, who may write them after save returns: copied."""

@@ -3,13 +3,13 @@
 A buffered write needs a fresh page-cache page for every 4 KiB it writes; on
 the VMs this runs on, fresh memory is the slowest thing there is
 (docs/environment.md), so the local tier writes a snapshot's chunks straight
-from host memory to the disk: 4 GB in 3.3-3.6 s against 7.9-9.4 s buffered
-here. O_DIRECT wants the buffer's address, the length and the file offset on
+from host memory to the disk, in about half the time of a buffered write
+(docs/benchmarks.md). O_DIRECT wants the buffer's address, the length and the file offset on
 the device's block size. A buffer that does not start on a block (a jax CPU
 buffer starts 64 bytes into a page: a snapshot that views the state,
 snapshot.viewed) is copied through a reused, page-aligned staging buffer a
-piece at a time: a copy into touched memory runs at 15-20 GB/s here, a
-buffered write's fresh page-cache pages at 0.5-1 GB/s. A small buffer, or a
+piece at a time: a copy into touched memory is an order of magnitude faster
+than a buffered write's fresh page-cache pages. A small buffer, or a
 file system that refuses the flag, is written through the cache instead
 (storage/files.py). Reads of big files the page cache does not hold go
 past it the same way, into the restore's page-aligned buffers.

@@ -173,9 +173,8 @@ class _Walker:
     def holding(self, prefix: str):
         # A restore opens a step's chunks one after another: walked to, each
         # took 6 system calls (a GIL hand-off each on the pool's threads), 4
-        # relative to a held directory. A RAM-tier restore of a 256 MB state
-        # (2984 chunks) spent 13% of its samples walking; its fastest of 15
-        # restores went from 0.295-0.323 s to 0.284-0.293 s (medians noisy).
+        # relative to a held directory: a RAM-tier restore of many small
+        # chunks spent a visible share of its time walking (docs/benchmarks.md).
         parts = tuple(self._parts(prefix))
         try:
             fd = self._open_dir(list(parts))
@@ -251,9 +250,9 @@ class FileStorage(_Walker, Storage):
         self._batch_lock = threading.Lock()
         self._batch_fs: bool | None = None  # whether syncfs serves here; at first save
         # Staging for O_DIRECT writes of unaligned buffers (direct.py): one per
-        # writing thread at a time, reused through a save (dropped whenever
-        # none was lent, a fresh stage per chunk wrote 1 GB in 0.76-0.94 s,
-        # kept 0.60-0.72 s, as from an aligned slab); dropped at its end.
+        # writing thread at a time, reused through a save (a fresh stage per
+        # chunk faulted in new memory for every chunk: kept, writes run as
+        # from an aligned slab); dropped at its end.
         self._stages = hostmem.BufferPool(8 * odirect.STAGE_BYTES)
 
     def _sync_fd(self, fd: int) -> None:
@@ -390,10 +389,9 @@ class FileStorage(_Walker, Storage):
         # With `direct`, a big read into a page-aligned buffer of a range the
         # page cache does not hold whole goes past the cache: a buffered cold
         # read takes a fresh page-cache page for every 4 KiB as well as the
-        # caller's buffer, twice the new memory (a cold 4 GB restore: 7.4 s
-        # buffered in a new process, 3.2-3.5 s direct, against 3.0-4.3 s for
-        # a plain cold read into one reused buffer). A cached range is read
-        # from the cache (or mapped whole: map()).
+        # caller's buffer, twice the new memory (a direct cold restore runs as
+        # fast as a plain cold read into one reused buffer; docs/benchmarks.md).
+        # A cached range is read from the cache (or mapped whole: map()).
         fd, _ = self._open_object(key)
         try:
             with self._failing("read of", key):
@@ -460,11 +458,12 @@ class FileStorage(_Walker, Storage):
         # file lives on while mapped. On tmpfs (zero_copy) the pages are memory
         # already. A disk file is mapped only where the page cache holds it
         # whole (maps_cached): the restored state then shares those pages, no
-        # new memory is touched (on these VMs the dearest part of a warm
-        # restore) and no second copy of the state is held; a file read from
-        # the disk is read into buffers of its own, in large reads, instead of
-        # page by page through faults. The price: a deleted step's blocks stay
-        # allocated while its restored arrays live.
+        # new memory is touched (touching fresh memory is the dearest part of
+        # a warm restore on VMs, docs/environment.md) and no second copy of
+        # the state is held; a file read from the disk is read into buffers of
+        # its own, in large reads, instead of page by page through faults. The
+        # price: a deleted step's blocks stay allocated while its restored
+        # arrays live.
         if nbytes == 0 or not (self.zero_copy or self.maps_cached):
             return None
 
