@@ -19,7 +19,7 @@ CPU devices, a (data=4, model=2) mesh, 16 leaves of varied shapes.
 - `*_again`: a second save (step 2) by the same manager, ours raw and
   Orbax's: what a training job pays for each periodic save after its first
   (our host pool is then already faulted in);
-Every timed case starts settled (`_common.settle`: 3 s for what the case
+Every timed case starts settled (`harness.measure.settle`: 3 s for what the case
 before left running, the emulator's garbage collection included).
 
 - limit: zstd level 1 compression and decompression of the state's bytes on
@@ -43,46 +43,43 @@ Goals: restore >= 2, save >= 1.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import http.client
 import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
-import time
-import urllib.parse
 import uuid
 
-from _common import (
-    PeakRss,
-    abstract_of,
-    bench_parser,
-    emit,
-    emit_summary,
-    make_mesh,
-    parse_options,
-    peaks_vs_budget,
-    prepare,
-    read_jsonl,
-    same_values,
-    settle,
-    size_label,
-    trim,
-    worst_peak,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label
 
 prepare(devices=8)
 
-import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-from _plot import plot  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from harness.measure import cpu_seconds, settle, timed, trim  # noqa: E402
+from harness.plot import plot  # noqa: E402
+from harness.report import (  # noqa: E402
+    emit,
+    emit_summary,
+    peaks_vs_budget,
+    read_jsonl,
+    worst_peak,
+)
+from harness.state import (  # noqa: E402
+    abstract_of,
+    build_state,
+    make_mesh,
+    same_values,
+    tree_bytes,
+    unique_shards,
+)
+from harness.systems import (  # noqa: E402
+    GcsTransport,
+    Orbax,
+    Ours,
+    codec_limit,
+    timed_open_restore,
+)
 
-from resilient_ckpt.native.hostmem import host_buffer  # noqa: E402
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
 
 log = logging.getLogger("bench.gcs")
@@ -90,66 +87,20 @@ BENCH = "gcs"
 BUCKET = "bench-gcs"
 
 
-def build_state(total: int, dtype, mesh: Mesh) -> dict:
-    """16 leaves of about total/16 bytes each, shapes varied, sharded over (data, model)."""
-    item = np.dtype(dtype).itemsize
-    per = total // 16 // item
-    specs = [P("data", "model"), P("model", "data"), P("data", None), P(None, "model")]
-    out = {}
-    for i in range(16):
-        cols = 512 * (1 + i % 4)
-        rows = max(8, per // cols // 8 * 8)
-        sharding = NamedSharding(mesh, specs[i % 4])
-
-        def cb(index, shape=(rows, cols), seed=i):
-            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
-            start = tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
-            rng = np.random.default_rng([seed, *start])
-            return (rng.standard_normal(sub, dtype=np.float32) * 0.02).astype(dtype)
-        out[f"w{i:02d}"] = jax.make_array_from_callback((rows, cols), sharding, cb)
-    return out
-
-
-def timed_save(manager, state: dict, step: int = 1) -> tuple[float, int | None]:
-    """Seconds of `save` + `wait_until_finished` of `step`, and its peak
-    memory above the level before (_common.PeakRss)."""
-    import orbax.checkpoint as ocp
-    with PeakRss() as peak:
-        t0 = time.perf_counter()
-        manager.save(step, args=ocp.args.StandardSave(state))
-        manager.wait_until_finished()
-        dt = time.perf_counter() - t0
-    return dt, peak.extra
-
-
-def timed_restore(open_manager, state: dict, who: str) -> tuple[float, int | None]:
-    """Seconds from opening a fresh manager to its latest step restored onto
-    the state's shardings, and the peak memory meanwhile (the restored state
-    included); the values are then checked against `state`."""
-    import orbax.checkpoint as ocp
-    with PeakRss() as peak:
-        t0 = time.perf_counter()
-        with open_manager() as m:
-            out = m.restore(m.latest_step(),
-                            args=ocp.args.StandardRestore(abstract_of(state)))
-            jax.block_until_ready(out)
-            dt = time.perf_counter() - t0
-    assert same_values(out, state), f"{who} restored different values"
-    return dt, peak.extra
-
-
-def _again(manager, state: dict, dt: float, peak: int | None, then) -> tuple | None:
-    """With `then`: then(dt, peak) of step 1, step 2 saved by the same
+def _again(sut, state: dict, saved, then) -> tuple | None:
+    """With `then`: then(seconds, peak) of step 1, step 2 saved by the same
     manager, step 1 deleted; step 2's (seconds, peak). Without: None."""
     if then is None:
         return None
-    then(dt, peak)
-    again = timed_save(manager, state, step=2)
-    manager.delete(1)
-    return again
+    then(saved.total_s, saved.peak)
+    again = sut.save(2, state)
+    sut.mngr.delete(1)
+    return again.total_s, again.peak
 
 
-class Ours:
+class OursGcs:
+    """resilient_ckpt with a GcsTier (and a RamTier beside it, or not)."""
+
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
 
@@ -164,31 +115,34 @@ class Ours:
         step 1's (seconds, peak) and step 2 is saved by the same manager
         (step 1 is then deleted, so that the emulator holds one copy: it keeps
         objects in memory, and was killed for it at 21 GB here)."""
-        from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
+        from resilient_ckpt import RamTier
         tiers = [self.tier(url, codec)] + ([RamTier(path=ram)] if ram else [])
-        with CheckpointManager(url, options=CheckpointManagerOptions(tiers=tiers)) as m:
-            dt, peak = timed_save(m, state)
-            tw = m.save_records[-1].tiers["gcs"]
-            return dt, tw.stored_bytes, tw.seconds, peak, _again(m, state, dt, peak, then)
+        with Ours(url, tiers) as sut:
+            saved = sut.save(1, state)
+            tw = saved.record.tiers["gcs"]
+            return (saved.total_s, tw.stored_bytes, tw.seconds, saved.peak,
+                    _again(sut, state, saved, then))
 
     def restore(self, url: str, state: dict, codec: str) -> tuple[float, int | None]:
-        from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
-        opts = CheckpointManagerOptions(tiers=[self.tier(url, codec)], read_only=True)
-        return timed_restore(lambda: CheckpointManager(url, options=opts), state,
-                             "resilient_ckpt")
+        """A fresh manager on the GCS tier alone (a new machine): seconds from
+        its opening to the restored state, and the peak; the values checked."""
+        got = timed_open_restore(
+            lambda: Ours(url, [self.tier(url, codec)], read_only=True), abstract_of(state))
+        assert same_values(got.out, state), "resilient_ckpt restored different values"
+        return got.seconds, got.peak
 
 
-class Orbax:
+class OrbaxGcs:
     def save(self, url: str, state: dict, then=None) -> tuple:
-        """(seconds, peak) of step 1, then step 2's or None, as Ours.save."""
-        import orbax.checkpoint as ocp
-        with ocp.CheckpointManager(url) as m:
-            dt, peak = timed_save(m, state)
-            return dt, peak, _again(m, state, dt, peak, then)
+        """(seconds, peak) of step 1, then step 2's or None, as OursGcs.save."""
+        with Orbax(url) as sut:
+            saved = sut.save(1, state)
+            return saved.total_s, saved.peak, _again(sut, state, saved, then)
 
     def restore(self, url: str, state: dict) -> tuple[float, int | None]:
-        import orbax.checkpoint as ocp
-        return timed_restore(lambda: ocp.CheckpointManager(url), state, "orbax")
+        got = timed_open_restore(lambda: Orbax(url), abstract_of(state))
+        assert same_values(got.out, state), "orbax restored different values"
+        return got.seconds, got.peak
 
 
 def remove(endpoint: str, url: str) -> None:
@@ -199,93 +153,13 @@ def remove(endpoint: str, url: str) -> None:
     st.close()
 
 
-def unique_shards(state: dict) -> list[np.ndarray]:
-    return [np.asarray(s.data) for a in state.values() for s in a.addressable_shards
-            if s.replica_id == 0]
-
-
-class Transport:
-    """The emulator's own bound: the state's unique shards as objects, each
-    POSTed in one media upload and read back whole, on 8 threads with one
-    http.client connection each (no client library, no checksum)."""
-
-    def __init__(self, endpoint: str, shards: list[np.ndarray]):
-        u = urllib.parse.urlparse(endpoint)
-        self.host, self.port = u.hostname, u.port
-        self.shards = [x.reshape(-1).view(np.uint8) for x in shards]
-        self.local = threading.local()
-        self.pool = cf.ThreadPoolExecutor(8)
-        self.touched = [np.ones(x.nbytes, np.uint8) for x in self.shards]
-
-    def _conn(self) -> http.client.HTTPConnection:
-        if getattr(self.local, "conn", None) is None:
-            self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        return self.local.conn
-
-    def _post(self, name: str, data: np.ndarray) -> None:
-        c = self._conn()
-        c.request("POST", f"/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name="
-                  + urllib.parse.quote(name, safe=""), body=data.data,
-                  headers={"Content-Type": "application/octet-stream"})
-        r = c.getresponse()
-        r.read()
-        assert r.status == 200, f"upload of {name}: HTTP {r.status}"
-
-    def _get(self, name: str, out: np.ndarray) -> None:
-        c = self._conn()
-        c.request("GET", f"/download/storage/v1/b/{BUCKET}/o/"
-                  + urllib.parse.quote(name, safe="") + "?alt=media")
-        r = c.getresponse()
-        view, got = out.data, 0
-        while got < len(view) and (n := r.readinto(view[got:])):
-            got += n
-        r.read()
-        assert r.status == 200 and got == len(view), f"read of {name}: HTTP {r.status}"
-
-    def put(self, prefix: str) -> None:
-        list(self.pool.map(lambda i: self._post(f"{prefix}/{i}", self.shards[i]),
-                           range(len(self.shards))))
-
-    def get(self, prefix: str, fresh: bool) -> None:
-        outs = [host_buffer(x.nbytes) for x in self.shards] if fresh else self.touched
-        list(self.pool.map(lambda i: self._get(f"{prefix}/{i}", outs[i]),
-                           range(len(self.shards))))
-        assert all(np.array_equal(o, x) for o, x in zip(outs, self.shards, strict=True))
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def codec_limit(state: dict, level: int = 1) -> dict:
-    """zstd on one thread over every unique shard: ratio, compress and decompress GB/s."""
-    import zstandard
-    shards = unique_shards(state)
-    raw = sum(x.nbytes for x in shards)
-    t0 = time.perf_counter()
-    packed = [zstandard.ZstdCompressor(level=level).compress(x) for x in shards]
-    tc = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for p, x in zip(packed, shards, strict=True):
-        zstandard.ZstdDecompressor().decompress(p, max_output_size=x.nbytes)
-    td = time.perf_counter() - t0
-    return {"ratio": raw / sum(len(p) for p in packed), "compress_gb_s": raw / tc / 1e9,
-            "decompress_gb_s": raw / td / 1e9}
-
-
 def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid: int,
-            mesh: Mesh) -> dict:
-    dtype = np.dtype(ml_dtypes.bfloat16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
-    state = build_state(size, dtype, mesh)
-    nbytes = sum(a.nbytes for a in state.values())
-    ours, orbax, runs, stored, lims = Ours(endpoint), Orbax(), {}, {}, []
-    transport = Transport(endpoint, unique_shards(state))
+            mesh) -> dict:
+    state = build_state("weights", size, mesh, dtype=dtype_name)
+    nbytes = tree_bytes(state)
+    ours, orbax, runs, stored, lims = OursGcs(endpoint), OrbaxGcs(), {}, {}, []
+    shards = unique_shards(state, largest_first=False)
+    transport = GcsTransport(endpoint, BUCKET, shards)
     peaks: dict[tuple[str, str], list[int]] = {}
     server_cpu: dict[tuple[str, str], list[float]] = {}
     ram = tempfile.mkdtemp(prefix="bench_gcs_ram_", dir="/dev/shm" if os.path.isdir("/dev/shm")
@@ -317,9 +191,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
 
     def limit(case: str, fn) -> None:
         start()
-        t0 = time.perf_counter()
-        fn()
-        add("limit", case, time.perf_counter() - t0)
+        add("limit", case, timed(fn)[0])
     try:
         for _ in range(repeats):
             run = uuid.uuid4().hex[:8]
@@ -354,11 +226,11 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
             limit("get_touched", lambda run=run: transport.get(f"{run}/limit", fresh=False))
             remove(endpoint, f"gs://{BUCKET}/{run}/limit")
             trim()
-            lims.append(codec_limit(state))
+            lims.append(codec_limit(shards))
     finally:
         shutil.rmtree(ram, ignore_errors=True)
         transport.close()
-    del state
+    del state, shards
     trim()
     common = {"bench": BENCH, "bytes": nbytes, "dtype": dtype_name, "devices": 8}
     for (system, case), xs in runs.items():

@@ -37,11 +37,12 @@ import statistics
 import sys
 import time
 
-from _common import bench_parser, emit, emit_summary, parse_options, prepare, size_option
+from harness.options import bench_parser, parse_options, prepare, size_option
 
 prepare(devices=8)
 
 import numpy as np  # noqa: E402
+from harness.report import emit, emit_summary  # noqa: E402
 
 from resilient_ckpt.testing.fake_gcs import FakeGcs  # noqa: E402
 

@@ -1,9 +1,10 @@
 """How the local tier makes a step's chunks durable: synced together vs an fsync each.
 
-On the unique shards of save_restore.py's state, each round writes one step
-through the local tier's storage (FileStorage, O_DIRECT as configured by
-LocalTier): begin_write, the chunks on 8 threads, flush, the manifest's
-create-only put, end_write. Two ways, interleaved within each repeat:
+On the unique shards of save_restore.py's state (harness.state's "train"
+layout), each round writes one step through the local tier's storage
+(FileStorage, O_DIRECT as configured by LocalTier): begin_write, the chunks
+on 8 threads, flush, the manifest's create-only put, end_write. Two ways,
+interleaved within each repeat:
 
 - resilient_ckpt `write_syncfs`: the default where syncfs reports write-back
   errors (Linux 5.8 on, storage/durable.py): no fsync per chunk, a syncfs
@@ -41,21 +42,15 @@ import sys
 import tempfile
 import time
 
-from _common import (
-    bench_parser,
-    emit,
-    emit_summary,
-    make_mesh,
-    parse_options,
-    prepare,
-    settle,
-    size_label,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label
 
 prepare()
 
 import numpy as np  # noqa: E402
-from save_restore import build_state, set_aside, unique_shards, write_files  # noqa: E402
+from harness.measure import set_aside, settle  # noqa: E402
+from harness.report import emit, emit_summary  # noqa: E402
+from harness.state import build_state, make_mesh, unique_shards  # noqa: E402
+from harness.systems import write_files  # noqa: E402
 
 from resilient_ckpt.core import layout  # noqa: E402
 from resilient_ckpt.storage import FileStorage, durable  # noqa: E402
@@ -101,7 +96,7 @@ def limit(root: str, shards: list[np.ndarray], threads: int, how: str) -> None:
 
 
 def run_size(nbytes: int, repeats: int, workdir: str, shm: str, threads: int) -> dict:
-    state = build_state(nbytes, make_mesh(4, 2))
+    state = build_state("train", nbytes, make_mesh(4, 2))
     shards = [np.ascontiguousarray(s).reshape(-1) for s in unique_shards(state)]
     total = sum(s.nbytes for s in shards)
     ways = [("resilient_ckpt", "write_syncfs", ours, "syncfs"),

@@ -37,7 +37,7 @@ Cases (times are the slowest process's, after a barrier):
 
 Each line's peak_extra_bytes is the worst of every process's peak resident
 memory over each save (with its writes) or restore (to the restored state's
-check), above its level before (_common.PeakRss); peak_extra_vs_state is over
+check), above its level before (harness.measure.PeakRss); peak_extra_vs_state is over
 the bytes one process holds (one replica: the whole state here).
 
 Summary (a key ends in the size, e.g. _64mb):
@@ -76,22 +76,14 @@ import statistics
 import sys
 import tempfile
 
-from _common import (
-    bench_parser,
-    emit,
-    emit_summary,
-    parse_options,
-    peaks_vs_budget,
-    size_label,
-    worst_peak,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from resilient_ckpt.testing.multiprocess import describe, run_job  # noqa: E402
+prepare()
+
+from harness.multiprocess import DEVICES, NPROCS, job, record  # noqa: E402
+from harness.report import emit, emit_summary, peaks_vs_budget, worst_peak  # noqa: E402
 
 BENCH = "multihost"
-NPROCS, DEVICES = 2, 4
-MESH = "2,2,2"
 ONTO4, ONTO4_DEVICES, ONTO4_MESH = "restore_onto4", 2, "2,2"  # (data, model), 2 per process
 SYSTEMS = ("resilient_ckpt", "orbax", "orbax_emergency")
 GOALS = {
@@ -103,170 +95,10 @@ GOALS = {
     "peak_restore_vs_budget": ("<=", 1.0),
 }
 
-WORKER = r'''
-import argparse, collections, os, shutil, sys, time
-import mh
-ctx = mh.init(sys.argv)
-p = argparse.ArgumentParser()
-p.add_argument("--system", required=True)
-p.add_argument("--phase", required=True, choices=["save", "restore"])
-p.add_argument("--steps", type=int, default=4)
-p.add_argument("--lose", action="store_true")
-p.add_argument("--bench", required=True)  # bench/, for _common.PeakRss
-o = p.parse_args(ctx.extra)
-sys.path.insert(0, o.bench)
-from _common import PeakRss
-
-
-def manager(abstract):
-    if o.system == "resilient_ckpt":
-        return mh.ours(ctx, ram_every=1, ram_keep=2, local_every=3, local_keep=2)
-    if o.system == "orbax":
-        return mh.orbax(ctx, every=1, keep=2)
-    return mh.orbax_emergency(ctx, ctx.ram, ctx.dir, abstract, local_every=1, local_keep=2,
-                              persistent_every=3, persistent_keep=2)
-
-
-def save_args(state):
-    import orbax.checkpoint as ocp
-    if o.system == "resilient_ckpt":
-        return ocp.args.StandardSave(state)
-    if o.system == "orbax":
-        return ocp.args.StandardSave(mh.orbax_state(state))
-    return ocp.args.Composite(state=ocp.args.PyTreeSave(mh.orbax_state(state)))
-
-
-def restore(mngr, abstract):
-    import orbax.checkpoint as ocp
-    out = {"latest": mngr.latest_step()}
-    mh.barrier("restore-start")
-    peak = PeakRss().__enter__()  # to the restored state's check: it is alive then
-    t = time.perf_counter()
-    if o.system == "resilient_ckpt":
-        state = mngr.restore(None, args=ocp.args.StandardRestore(abstract))
-        rec = mngr.last_restore
-        out["step"] = rec.step
-        out["bytes_by_tier"] = {k: int(v) for k, v in rec.bytes_by_tier.items()}
-    elif o.system == "orbax":
-        state = mh.from_orbax(mngr.restore(
-            out["latest"], args=ocp.args.StandardRestore(mh.orbax_abstract(abstract))))
-        out["step"] = out["latest"]
-    else:
-        state = mh.from_orbax(mngr.restore(out["latest"]).state)
-        out["step"] = out["latest"]
-    import jax
-    jax.block_until_ready(state)
-    out["seconds"] = time.perf_counter() - t
-    peak.__exit__(None, None, None)
-    out["peak_extra_bytes"] = peak.extra
-    out["mismatches"] = len(ctx.check_exact(state, out["step"]))
-    del state
-    return out
-
-
-def run(ctx):
-    import jax
-    abstract = ctx.abstract()
-    out = {"pid": ctx.pid, "target_bytes": ctx.target_bytes(abstract)}
-    if o.phase == "save":
-        mngr = manager(abstract)
-        state = ctx.initial_state()
-        times, peaks = [], []
-        for k in range(1, o.steps + 1):
-            state = jax.block_until_ready(ctx.train_step(state, k))
-            mh.barrier(f"save-{k}")
-            with PeakRss() as peak:  # the save and its writes, the state alive before
-                t = time.perf_counter()
-                mngr.save(k, args=save_args(state))
-                times.append(time.perf_counter() - t)
-                mngr.wait_until_finished()
-            peaks.append(peak.extra)
-        mh.barrier("saved")
-        out["save_s"], out["save_peak_extra_bytes"] = times, peaks
-        mngr.close()
-        mh.report(out)
-        return
-    mngr = manager(abstract)
-    out["restore"] = restore(mngr, abstract)
-    if o.lose:
-        mngr.close()
-        mh.barrier("lose")
-        if ctx.pid == 1:  # host 1 lost what it held locally
-            shutil.rmtree(ctx.ram, ignore_errors=True)
-            if o.system == "orbax_emergency":
-                os.makedirs(ctx.ram)  # its manager wants the directory to exist
-        mh.barrier("lost")
-        mngr = manager(abstract)
-        out["lost"] = restore(mngr, abstract)
-    mngr.close()
-    mh.report(out)
-
-
-mh.main(run, ctx)
-'''
-
 
 def log(msg: str) -> None:
     sys.stderr.write(f"multihost: {msg}\n")
     sys.stderr.flush()
-
-
-def job(workdir: str, shm: str, system: str, phase: str, nbytes: int, lose: bool = False,
-        devices: int = DEVICES, mesh: str = MESH):
-    """One 2-process job; returns (reports per process, error or None)."""
-    args = ["--dir", os.path.join(workdir, "shared"), "--ram", os.path.join(shm, "ram{pid}"),
-            "--mesh", mesh, "--state-bytes", str(nbytes), "--system", system,
-            "--phase", phase, "--bench", os.path.dirname(os.path.abspath(__file__))
-            ] + (["--lose"] if lose else [])
-    timeout = 120 + nbytes / 5e6  # a generous bound: 1 GB gets 5+ minutes
-    try:
-        res = run_job(WORKER, NPROCS, devices, args, timeout_s=timeout, fail_fast_s=15)
-    except AssertionError as e:  # the harness's hard timeout
-        return None, f"timeout: {str(e)[:1500]}"
-    reports = [r.last("pid") for r in res]
-    errors = [r.last("error") for r in res if r.last("error")]
-    if errors:
-        return reports, errors[0]["error"][-1500:]
-    if not all(r.ok for r in res) or not all(reports):
-        return reports, describe(res, 1200)[-2500:]
-    return reports, None
-
-
-def restore_run(system: str, reports: list, key: str) -> tuple[dict, float, list]:
-    """One restore of a job's processes (`key` in their reports): its record
-    (the steps, whether they agree and every value is exact; for ours the bytes
-    by tier, from the shared tier and from peers, host 1's share, and the most a
-    process read over its share), the slowest process's seconds and every
-    process's peak."""
-    rs = [r[key] for r in reports]
-    steps = [r["step"] for r in rs]
-    info = {"steps": steps, "agree": len(set(steps)) == 1,
-            "exact": all(r["mismatches"] == 0 for r in rs)}
-    if system == "resilient_ckpt":
-        tiers = [r.get("bytes_by_tier", {}) for r in rs]
-        info["bytes_by_tier"] = tiers
-        info["shared_bytes"] = sum(t.get("local", 0) for t in tiers)
-        info["peer_bytes"] = sum(t.get("peers", 0) for t in tiers)
-        info["lost_share"] = reports[1]["target_bytes"]
-        info["read_vs_share"] = round(max(
-            sum(t.values()) / p["target_bytes"]
-            for t, p in zip(tiers, reports, strict=True) if p["target_bytes"]), 4)
-    return info, max(r["seconds"] for r in rs), [r["peak_extra_bytes"] for r in rs]
-
-
-def record(sink: tuple, system: str, case: str, reports: list, key: str) -> bool:
-    """Adds one restore run of `case` to `sink` (runs, extra, errors, peaks,
-    each by (system, case)); whether it was right."""
-    runs, extra, errors, peaks = sink
-    info, seconds, run_peaks = restore_run(system, reports, key)
-    extra[(system, case)].append(info)
-    if not (info["agree"] and info["exact"]):
-        errors[(system, case)].append(
-            f"processes restored steps {info['steps']}, exact: {info['exact']}")
-        return False
-    runs[(system, case)].append(seconds)
-    peaks[(system, case)] += run_peaks
-    return True
 
 
 def _median(xs):

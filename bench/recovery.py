@@ -31,14 +31,14 @@ within each repeat so that other tenants' noise hits all alike:
   cache already holding the step (the best a relaunch can do on compiles).
 
 Then the multi-process case "relaunch_lost_host" (`--only relaunch` runs it
-alone; bench/_relaunch_case.py, at --relaunch-size): a 2-process jax.distributed job under
+alone; bench/harness/multiprocess.py, at --relaunch-size): a 2-process jax.distributed job under
 resilient_ckpt.elastic.supervisor loses host 1 (SIGKILL, its /dev/shm
 directory removed); the whole set is relaunched and restores, ours from the
 survivor's RAM (host 1's share from its replica) plus the shared tier, against
 Orbax's emergency CheckpointManager in the same job; timed from the SIGKILL
 to the first step done after the restore.
 
-Then the multi-controller cases of bench/_multicontroller.py, at --mc-size:
+Then the multi-controller cases of bench/harness/multiprocess.py, at --mc-size:
 "survivors" (a 2-process job loses host 1, process 0 goes on in-process,
 against every process relaunched with Orbax's emergency manager) and
 "goodput_mc" (a host lost every --fail-every steps: ours in-process, ours
@@ -70,26 +70,19 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from _common import (
-    PeakRss,
-    bench_parser,
-    emit,
-    emit_summary,
-    make_mesh,
-    parse_options,
-    prepare,
-    size_label,
-    size_option,
-    worst_peak,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label, size_option
 
 prepare(devices=8)  # jax itself is imported where used: the relaunched child times it
+
+from harness.measure import PeakRss  # noqa: E402
+from harness.report import emit, emit_summary, median, worst_peak  # noqa: E402
+from harness.state import make_mesh  # noqa: E402
+from harness.systems import Orbax, Ours  # noqa: E402
 
 BENCH = "recovery"
 D = 256          # embedding width
@@ -102,12 +95,6 @@ GOALS = {  # summary key prefix -> (comparison, goal), from the issue
 }
 CASES = ("loop", "relaunch", "goodput", "survivors", "goodput_mc")
 log = logging.getLogger("bench.recovery")
-
-
-# ---------------------------------------------------------------- helpers
-
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 # ---------------------------------------------------------------- the model
@@ -214,15 +201,15 @@ def relaunch(a, nbytes: int, orbax_dir: str, cache: str | None) -> dict:
 def manager(a, tag: str):
     """A manager with the RAM and local tiers in fresh directories, closed and
     its directories removed on exit."""
-    from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
+    from resilient_ckpt import LocalTier, RamTier
     local = tempfile.mkdtemp(prefix=f"rc-recovery-{tag}-", dir=a.workdir)
     ram = tempfile.mkdtemp(prefix=f"rc-recovery-{tag}-", dir=a.shm)
-    mngr = CheckpointManager(local, options=CheckpointManagerOptions(tiers=[
-        RamTier(every=a.ram_every, keep=2, path=ram), LocalTier(every=a.local_every, keep=2)]))
+    sut = Ours(local, [RamTier(every=a.ram_every, keep=2, path=ram),
+                       LocalTier(every=a.local_every, keep=2)])
     try:
-        yield mngr
+        yield sut.mngr
     finally:
-        mngr.close()
+        sut.close()
         for d in (local, ram):
             shutil.rmtree(d, ignore_errors=True)
 
@@ -290,15 +277,12 @@ def loop_recovery(a, nbytes: int, aot: bool, check, reserve: bool = False,
 
 def orbax_checkpoint(a, nbytes: int) -> str:
     """The same state, saved with Orbax to local disk, for the relaunch cases."""
-    import orbax.checkpoint as ocp
     full, _ = meshes()
     step, _, init = build(full, nbytes)
     state, _ = step(init())
     d = tempfile.mkdtemp(prefix="rc-recovery-orbax-", dir=a.workdir)
-    mngr = ocp.CheckpointManager(d)
-    mngr.save(1, args=ocp.args.StandardSave(state))
-    mngr.wait_until_finished()
-    mngr.close()
+    with Orbax(d) as sut:
+        sut.save(1, state)
     return d
 
 
@@ -493,16 +477,16 @@ def main(argv: list[str] | None = None) -> int:
             # The floor: no recovery can end before one ordinary step on the new mesh.
             summary[f"one_step_fraction_of_relaunch_{label}"] = m["step"] / m["relaunch"]
         if "relaunch" in only:
-            import _relaunch_case
-            summary.update(_relaunch_case.measure(
-                a, a.relaunch_size or (8 if a.quick else 256) * 10**6, emit, size_label))
+            from harness.multiprocess import measure_relaunch  # imports jax: not at the top
+            summary.update(measure_relaunch(
+                a, a.relaunch_size or (8 if a.quick else 256) * 10**6))
         mc_bytes = a.mc_size or (8 if a.quick else 128) * 10**6
         if "survivors" in only:
-            import _multicontroller
-            summary.update(_multicontroller.measure_survivors(a, mc_bytes, emit, size_label))
+            from harness.multiprocess import measure_survivors
+            summary.update(measure_survivors(a, mc_bytes))
         if "goodput_mc" in only:
-            import _multicontroller
-            summary.update(_multicontroller.measure_goodput(a, mc_bytes, emit, size_label))
+            from harness.multiprocess import measure_goodput
+            summary.update(measure_goodput(a, mc_bytes))
         if "goodput" in only:
             g = goodput(a, goodput_bytes, check)
             summary[f"goodput_{size_label(goodput_bytes)}"] = g["goodput"]

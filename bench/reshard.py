@@ -7,7 +7,7 @@ restored, interleaved within each repeat:
   restores read uncached files past the cache and leave it cold):
   onto the saved sharding ("same"), and onto a (2, 2) and a (3, 2) mesh;
 - orbax: its resharded restore of the same state from local disk (warm).
-Each timed restore starts after `_common.settle` (3 s for what the case
+Each timed restore starts after `harness.measure.settle` (3 s for what the case
 before left running to finish), so no case runs in the wake of another.
 Peak host memory of each case is measured apart, in a fresh process per case
 (VmHWM minus the resident set just before the restore), so that memory kept by
@@ -35,69 +35,27 @@ import sys
 import tempfile
 import time
 
-from _common import (
-    PeakRss,
-    bench_parser,
-    emit,
-    emit_summary,
-    files_under,
-    make_mesh,
-    parse_options,
-    prepare,
-    read_through,
-    settle,
-    size_label,
-    worst_peak,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label
 
 prepare(devices=8)
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from harness.measure import files_under, read_through, settle  # noqa: E402
+from harness.report import emit, emit_summary, worst_peak  # noqa: E402
+from harness.state import abstract_of, build_state, make_mesh, tree_bytes  # noqa: E402
+from harness.systems import Orbax, Ours  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from resilient_ckpt import (
-    CheckpointManager,
-    CheckpointManagerOptions,
-    LocalTier,
-    RamTier,
-)
+from resilient_ckpt import LocalTier, RamTier  # noqa: E402
 
 log = logging.getLogger("bench.reshard")
 BENCH = "reshard"
 SPEC = P("data", "model")
 
 
-def build_state(total: int, mesh: Mesh) -> dict:
-    """params, mu, nu (Adam-like), rows a multiple of 48 so 8, 6 and 4 divide."""
-    per = total // 3
-    leaves = {}
-    rng = np.random.default_rng(0)
-    cols = 1024
-    sizes = [per // 2, per // 4, per // 8, per - per // 2 - per // 4 - per // 8]
-    for i, n in enumerate(sizes):
-        rows = max(48, (n // (cols * 4)) // 48 * 48)
-        leaves[f"layer{i}"] = rng.standard_normal((rows, cols), dtype=np.float32)
-    sh = NamedSharding(mesh, SPEC)
-    put = lambda t: {k: jax.device_put(v, sh) for k, v in t.items()}  # noqa: E731
-    return {"params": put(leaves), "mu": put({k: v * 0.1 for k, v in leaves.items()}),
-            "nu": put({k: v * v for k, v in leaves.items()}), "step": 7}
-
-
-def target_on(state, mesh: Mesh):
-    sh = NamedSharding(mesh, SPEC)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-                        if isinstance(x, jax.Array) else x, state)
-
-
-def nbytes(state) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-
-
 def measured(fn) -> float:
     """Seconds of fn() until its result is ready, the result dropped; it starts
-    settled (_common.settle), so no case runs in the wake of the one before."""
+    settled (harness.measure.settle), so no case runs in the wake of the one before."""
     settle()
     t0 = time.perf_counter()
     out = fn()
@@ -121,57 +79,48 @@ def peak_child(case: str, dirs: str) -> int:
     system, tier, target = case.split(",")
     ours_dir, ram, orbax_dir = dirs.split(",")
     meshes = {"same": make_mesh(4, 2), "onto4": make_mesh(2, 2), "onto6": make_mesh(3, 2)}
-    with CheckpointManager(ours_dir, options=CheckpointManagerOptions(
-            cleanup_tmp_directories=False, read_only=True)) as m:
-        abstract = target_on(m.item_metadata(1), meshes[target])
+    with Ours(ours_dir, cleanup_tmp_directories=False, read_only=True) as m:
+        abstract = abstract_of(m.mngr.item_metadata(1), meshes[target], SPEC)
     if system == "orbax":
-        mgr = ocp.CheckpointManager(orbax_dir)
+        sut = Orbax(orbax_dir)
     else:
-        tiers = [RamTier(path=ram)] if tier == "ram" else []
-        mgr = CheckpointManager(ours_dir, options=CheckpointManagerOptions(
-            tiers=tiers, cleanup_tmp_directories=False, read_only=True))
+        sut = Ours(ours_dir, [RamTier(path=ram)] if tier == "ram" else [],
+                   cleanup_tmp_directories=False, read_only=True)
     for _ in range(2):
         gc.collect()
-    with PeakRss() as peak:  # the restored state is alive at its end
-        out = mgr.restore(1, args=ocp.args.StandardRestore(abstract))
-        jax.block_until_ready(out)
-    emit({"peak_extra_bytes": peak.extra})
+    peak = sut.restore(1, abstract, block=True)  # the restored state is alive at its end
+    emit({"peak_extra_bytes": peak.peak})
     return 0
 
 
-def run_size(total: int, repeats: int, mesh8: Mesh, meshes: dict) -> dict:
-    state = build_state(total, mesh8)
-    size = nbytes(state)
+def run_size(total: int, repeats: int, mesh8, meshes: dict) -> dict:
+    state = build_state("reshard", total, mesh8)
+    size = tree_bytes(state)
     label = size_label(total)
     root = tempfile.mkdtemp(prefix="bench-reshard-")
     ram = tempfile.mkdtemp(prefix="bench-reshard-", dir="/dev/shm")
     ours_dir, orbax_dir = os.path.join(root, "ours"), os.path.join(root, "orbax")
     try:
-        opts = CheckpointManagerOptions(tiers=[RamTier(path=ram), LocalTier()])
-        with CheckpointManager(ours_dir, options=opts) as m:
-            m.save(1, args=ocp.args.StandardSave(state))
-        with ocp.CheckpointManager(orbax_dir) as om:
-            om.save(1, args=ocp.args.StandardSave(state))
-        targets = {"same": target_on(state, mesh8),
-                   **{name: target_on(state, mm) for name, mm in meshes.items()}}
+        with Ours(ours_dir, [RamTier(path=ram), LocalTier()]) as m:
+            m.save(1, state)
+        with Orbax(orbax_dir) as om:
+            om.save(1, state)
+        targets = {"same": abstract_of(state, mesh8, SPEC),
+                   **{name: abstract_of(state, mm, SPEC) for name, mm in meshes.items()}}
         del state
         gc.collect()
-        ram_only = CheckpointManager(ours_dir, options=CheckpointManagerOptions(
-            tiers=[RamTier(path=ram)], cleanup_tmp_directories=False))
-        local_only = CheckpointManager(ours_dir, options=CheckpointManagerOptions(
-            cleanup_tmp_directories=False))
-        orbax = ocp.CheckpointManager(orbax_dir)
+        ram_only = Ours(ours_dir, [RamTier(path=ram)], cleanup_tmp_directories=False)
+        local_only = Ours(ours_dir, cleanup_tmp_directories=False)
+        orbax = Orbax(orbax_dir)
         cases = []
         local_files = files_under(os.path.join(ours_dir, "1"))
         for tname, tgt in targets.items():
-            for tier, mgr in (("ram", ram_only), ("local", local_only)):
+            for tier, sut in (("ram", ram_only), ("local", local_only)):
                 cases.append(("resilient_ckpt", f"{tier}_{tname}",
-                              lambda mgr=mgr, tgt=tgt: mgr.restore(
-                                  1, args=ocp.args.StandardRestore(tgt))))
+                              lambda sut=sut, tgt=tgt: sut.restore(1, tgt).out))
             if tname != "same":
                 cases.append(("orbax", f"local_{tname}",
-                              lambda tgt=tgt: orbax.restore(
-                                  1, args=ocp.args.StandardRestore(tgt))))
+                              lambda tgt=tgt: orbax.restore(1, tgt).out))
         for _, _, fn in cases:  # warm-up: page cache, compiled helpers
             measured(fn)
         runs = {(s, c): ([], []) for s, c, _ in cases}

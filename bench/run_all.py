@@ -6,8 +6,9 @@
     python bench/run_all.py --repeats 5 --sizes 2GB   # these arguments, passed through
 
 Every `bench/*.py` except this one and helpers named `_*.py` runs in its own
-process. Their stdout lines (one JSON object each, docs/bench_contract.md) are
-forwarded to stdout as they come; a line that is not a JSON object goes to
+process; bench/harness/ (a package, not a script) is not run. Their stdout
+lines (one JSON object each, docs/bench_contract.md) are forwarded to stdout
+as they come; a line that is not a JSON object goes to
 stderr with a warning. Their stderr (logs) passes through. The exit status is 0
 when every script succeeded, else 1, after all have run.
 """
@@ -19,7 +20,7 @@ import os
 import subprocess
 import sys
 
-from _common import emit
+from harness.report import emit
 
 
 def scripts(here: str) -> list[str]:

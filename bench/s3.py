@@ -29,80 +29,42 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 
-from _common import (
-    abstract_of,
-    bench_parser,
-    emit,
-    emit_summary,
-    make_mesh,
-    parse_options,
-    prepare,
-    same_values,
-    size_label,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label
 
 prepare(devices=8)
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from harness.report import emit, emit_summary  # noqa: E402
+from harness.state import abstract_of, build_state, make_mesh, same_values, tree_bytes  # noqa: E402
+from harness.systems import Orbax, Ours, timed_open_restore  # noqa: E402
 
 log = logging.getLogger("bench.s3")
 BENCH = "s3"
 
 
-def build_state(total: int, mesh) -> dict:
-    per = total // 16 // 4
-    rng = np.random.default_rng(0)
-    out = {}
-    for i in range(16):
-        rows = max(8, per // 512 // 8 * 8)
-        host = (rng.standard_normal((rows, 512)) * 0.02).astype(np.float32)
-        out[f"w{i:02d}"] = jax.device_put(host, NamedSharding(mesh, P("data", "model")))
-    return out
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def s3_tier(s3, url: str):
+    from resilient_ckpt.tiers import FsspecTier
+    return FsspecTier(url, storage_options=s3.options())
 
 
 def ours_save(s3, url: str, ram: str, state: dict) -> tuple[float, float]:
-    import orbax.checkpoint as ocp
-
-    from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, RamTier
-    from resilient_ckpt.tiers import FsspecTier
-    opts = CheckpointManagerOptions(tiers=[RamTier(path=ram),
-                                           FsspecTier(url, storage_options=s3.options())])
+    """RamTier + the S3 tier: save + wait's seconds, and the S3 write's."""
+    from resilient_ckpt import RamTier
     home = tempfile.mkdtemp(prefix="bench_s3_")
-    with CheckpointManager(home, options=opts) as m:
-        dt = timed(lambda: (m.save(1, args=ocp.args.StandardSave(state)),
-                            m.wait_until_finished()))
-        up = m.save_records[-1].tiers["s3"].seconds
+    with Ours(home, [RamTier(path=ram), s3_tier(s3, url)]) as sut:
+        saved = sut.save(1, state)
     shutil.rmtree(home, ignore_errors=True)
-    return dt, up
+    return saved.total_s, saved.record.tiers["s3"].seconds
 
 
 def ours_restore(s3, url: str, state: dict) -> float:
-    import orbax.checkpoint as ocp
-
-    from resilient_ckpt import CheckpointManager, CheckpointManagerOptions
-    from resilient_ckpt.tiers import FsspecTier
-    opts = CheckpointManagerOptions(tiers=[FsspecTier(url, storage_options=s3.options())],
-                                    read_only=True)
     home = tempfile.mkdtemp(prefix="bench_s3_")
-    t0 = time.perf_counter()
-    with CheckpointManager(home, options=opts) as m:
-        out = jax.block_until_ready(m.restore(1, args=ocp.args.StandardRestore(
-            abstract_of(state))))
-    dt = time.perf_counter() - t0
+    got = timed_open_restore(lambda: Ours(home, [s3_tier(s3, url)], read_only=True),
+                             abstract_of(state))
     shutil.rmtree(home, ignore_errors=True)
-    assert same_values(out, state), "resilient_ckpt restored different values"
-    return dt
+    assert same_values(got.out, state), "resilient_ckpt restored different values"
+    return got.seconds
 
 
 def orbax_save_restore(url: str, state: dict) -> tuple[float, float]:
@@ -111,29 +73,19 @@ def orbax_save_restore(url: str, state: dict) -> tuple[float, float]:
     here, scratch = os.getcwd(), tempfile.mkdtemp(prefix="bench_s3_orbax_")
     os.chdir(scratch)
     try:
-        return _orbax(url, state)
+        with Orbax(url) as sut:
+            save = sut.save(1, state).total_s
+        got = timed_open_restore(lambda: Orbax(url), abstract_of(state))
+        assert same_values(got.out, state), "orbax restored different values"
+        return save, got.seconds
     finally:
         os.chdir(here)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _orbax(url: str, state: dict) -> tuple[float, float]:
-    import orbax.checkpoint as ocp
-    with ocp.CheckpointManager(url) as m:
-        save = timed(lambda: (m.save(1, args=ocp.args.StandardSave(state)),
-                              m.wait_until_finished()))
-    t0 = time.perf_counter()
-    with ocp.CheckpointManager(url) as m:
-        out = jax.block_until_ready(m.restore(1, args=ocp.args.StandardRestore(
-            abstract_of(state))))
-    restore = time.perf_counter() - t0
-    assert same_values(out, state), "orbax restored different values"
-    return save, restore
-
-
 def run_one(s3, size: int, repeats: int, mesh) -> dict:
-    state = build_state(size, mesh)
-    nbytes = sum(a.nbytes for a in state.values())
+    state = build_state("rows", size, mesh)
+    nbytes = tree_bytes(state)
     runs: dict[tuple[str, str], list[float]] = {}
     orbax_error = None
     ram = tempfile.mkdtemp(prefix="bench_s3_ram_",

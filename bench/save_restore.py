@@ -23,7 +23,7 @@ tenants hits every system alike:
   both do on an accelerator.
 
 Every timed restore, of either system, and each system's first save start
-after `_common.settle` (3 s for what the case before left running, threads
+after `harness.measure.settle` (3 s for what the case before left running, threads
 and the kernel's writeback, to finish), so no case runs in another's wake.
 The limit's write and the local tier's write alone follow no large delete of
 the bench's own: their directories are renamed aside and deleted at the end
@@ -31,7 +31,7 @@ the bench's own: their directories are renamed aside and deleted at the end
 
 Peak memory: every save (with its tier writes) and every restore of either
 system is run inside a reset of the process's resident high-water mark
-(_common.PeakRss), and its line carries the worst run's bytes above the level
+(harness.measure.PeakRss), and its line carries the worst run's bytes above the level
 before it (`peak_extra_bytes`, the restored state included); the summary
 holds each system's worst save and restore over the state + 256 MiB.
 
@@ -44,9 +44,7 @@ Output (docs/bench_contract.md): one JSON object per line on stdout, one per
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
-import mmap
 import os
 import shutil
 import statistics
@@ -54,33 +52,38 @@ import sys
 import tempfile
 import time
 
-from _common import (
-    PeakRss,
-    abstract_of,
-    bench_parser,
-    emit,
-    emit_summary,
-    files_under,
-    make_mesh,
-    parse_options,
-    peaks_vs_budget,
-    prepare,
-    proc_kb,
-    read_jsonl,
-    read_through,
-    same_values,
-    settle,
-    size_label,
-    trim,
-    worst_peak,
-)
+from harness.options import bench_parser, parse_options, prepare, size_label
 
 prepare(devices=8)
 
 import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from harness.measure import (  # noqa: E402
+    drop_caches,
+    files_under,
+    mem_available,
+    read_through,
+    set_aside,
+    settle,
+    timed,
+    trim,
+)
+from harness.report import (  # noqa: E402
+    emit,
+    emit_summary,
+    peaks_vs_budget,
+    read_jsonl,
+    worst_peak,
+)
+from harness.state import (  # noqa: E402
+    abstract_of,
+    build_state,
+    make_mesh,
+    same_values,
+    tree_bytes,
+    unique_shards,
+)
+from harness.systems import Limit, Orbax, Ours, tier_seconds  # noqa: E402
 
 log = logging.getLogger("bench.save_restore")
 BENCH = "save_restore"
@@ -98,301 +101,85 @@ GOALS = {  # summary key prefix -> (comparison, goal), from issues #5 and #14
 }
 
 
-# ---------------------------------------------------------------- helpers
+# ---------------------------------------------------------------- the cases of a system
 
-def mem_available() -> int:
-    return proc_kb("/proc/meminfo", "MemAvailable") * 1024
-
-
-def timed(fn, *a, **kw) -> tuple[float, object]:
-    t0 = time.perf_counter()
-    out = fn(*a, **kw)
-    return time.perf_counter() - t0, out
-
-
-def drop_caches(paths: list[str]) -> str:
-    """Empties the page cache of `paths`: drop_caches where permitted (root),
-    else posix_fadvise(DONTNEED) per file. Returns the method used."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise_dontneed"
+def save_case(sut, step: int, state) -> tuple[dict[str, float], int | None, dict]:
+    """One save of `sut` (Ours or Orbax) with nothing else held (every step
+    deleted first: the memory is tight): seconds per case, the peak memory of
+    the save and its writes, and (ours) each tier write's phases (case ->
+    {"chunks_s": ..., ...})."""
+    sut.drop()
+    trim()
+    saved = sut.save(step, state)
+    out = {"save_blocking": saved.blocking_s, "save_total": saved.total_s}
+    phases = {}
+    rec = saved.record
+    if rec is not None:
+        out["save_snapshot"] = rec.snapshot_s
+        for name, tw in rec.tiers.items():
+            out[f"save_tier_{name}"] = tier_seconds(rec, name, step)
+            phases[f"save_tier_{name}"] = {f"{k}_s": round(v, 4)
+                                           for k, v in (tw.phases or {}).items()}
+    return out, saved.peak, phases
 
 
-# ---------------------------------------------------------------- the state
-
-def build_state(total_bytes: int, mesh: Mesh) -> dict:
-    """A train-state-like pytree of about `total_bytes`: params and two Adam
-    moments of the same structure, float32 and bfloat16 leaves of varied shapes,
-    sharded over (data, model), some leaves replicated, plus a step counter."""
-    pbytes = total_bytes // 3
-    d = 1024 if pbytes >= 96 * 2**20 else 256
-    f = 4 * d
-    layer_bytes = 4 * 3 * d * d + 4 * d * d + 2 * d * f * 2 + 4 * f + 4 * 2 * d
-    n_layers = max(1, int(pbytes * 0.7) // layer_bytes)
-    pos = 4 * 512 * d  # replicated, 8 copies in memory: keep it small
-    rest = max(pbytes - n_layers * layer_bytes - pos, 8 * d * 4)
-    vocab = max(8, (rest // 2 // (4 * d)) // 8 * 8)
-    head = max(8, (rest - vocab * d * 4) // (4 * d) // 8 * 8)
-    f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
-    spec = {  # name -> (shape, dtype, PartitionSpec)
-        "embed": ((vocab, d), f32, P("data", "model")),
-        "pos_embed": ((512, d), f32, P()),
-        "lm_head": ((d, head), f32, P(None, "data")),  # replicated over "model"
-    }
-    for i in range(n_layers):
-        spec.update({
-            f"layer_{i:02d}/qkv": ((d, 3 * d), f32, P("data", "model")),
-            f"layer_{i:02d}/out": ((d, d), f32, P("model", "data")),
-            f"layer_{i:02d}/mlp_in": ((d, f), bf16, P("data", "model")),
-            f"layer_{i:02d}/mlp_out": ((f, d), bf16, P("model", "data")),
-            f"layer_{i:02d}/mlp_bias": ((f,), f32, P("model")),
-            f"layer_{i:02d}/ln_scale": ((d,), f32, P()),
-        })
-
-    def make(name: str, seed: int) -> jax.Array:
-        shape, dtype, pspec = spec[name]
-        sharding = NamedSharding(mesh, pspec)
-
-        def cb(index):
-            sub = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
-            start = tuple(s.indices(n)[0] for s, n in zip(index, shape, strict=True))
-            rng = np.random.default_rng([seed, *start])
-            return rng.random(sub, dtype=np.float32).astype(dtype)
-        return jax.make_array_from_callback(shape, sharding, cb)
-
-    def tree(seed: int) -> dict:
-        out: dict = {}
-        for j, name in enumerate(spec):
-            node = out
-            *parents, leaf = name.split("/")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = make(name, seed * 10_000 + j)
-        return out
-
-    rep = NamedSharding(mesh, P())
-    return {"params": tree(1),
-            "opt_state": {"mu": tree(2), "nu": tree(3),
-                          "count": jax.device_put(np.int32(7), rep)},
-            "step": jax.device_put(np.int32(7), rep)}
+def restore_case(sut, step: int, abstract, step_dir: str | None, cold: bool, check=None
+                 ) -> tuple[float, dict]:
+    """One timed restore of `step` by `sut`, settled first; with `step_dir`
+    (files on disk), its page cache first emptied (`cold`) or filled."""
+    extra = {}
+    if step_dir is not None:
+        if cold:
+            extra["cold_method"] = drop_caches(files_under(step_dir))
+        else:
+            read_through(files_under(step_dir))
+    settle()
+    got = sut.restore(step, abstract)
+    extra["peak_extra_bytes"] = got.peak
+    if got.record is not None:
+        extra["served_bytes"] = dict(got.record.bytes_by_tier)
+    if check is not None:
+        extra["equal"] = same_values(check, got.out)
+    seconds = got.seconds
+    del got
+    trim()
+    return seconds, extra
 
 
-def unique_shards(state) -> list[np.ndarray]:
-    """Zero-copy numpy views of every unique shard (replica 0), largest first."""
-    out = [np.asarray(s.data) for a in jax.tree.leaves(state)
-           for s in a.addressable_shards if s.replica_id == 0]
-    return sorted(out, key=lambda v: -v.nbytes)
+class OursCases:
+    """resilient_ckpt: a RAM tier (in `shm_dir`) and a local tier, both every step."""
 
-
-def tree_bytes(state) -> int:
-    return sum(a.nbytes for a in jax.tree.leaves(state))
-
-
-# ---------------------------------------------------------------- the systems
-
-def write_files(d: str, shards: list[np.ndarray], threads: int, fsync: bool = True
-                ) -> list[str]:
-    """One file per unique shard in directory `d`, buffered write + fsync each,
-    in a pool of `threads` (as wide as resilient_ckpt's I/O pool); then the
-    directory is fsynced. With `fsync` False, no fsync at all (a RAM tier's
-    writes into tmpfs). Returns the paths."""
-    paths = [os.path.join(d, f"shard.{i:05d}") for i in range(len(shards))]
-
-    def put(i: int) -> None:
-        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(shards[i].reshape(-1).view(np.uint8))
-            while view:
-                view = view[os.write(fd, view):]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with cf.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(put, range(len(paths))))
-    if not fsync:
-        return paths
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    os.fsync(fd)
-    os.close(fd)
-    return paths
-
-
-class Limit:
-    """The physical references on the bytes of the state."""
-
-    def __init__(self, workdir: str, write_threads: int):
-        self.dir = os.path.join(workdir, "limit")
-        self.write_threads = write_threads
-        self.cold_method = None
-
-    def host_copy(self, shards: list[np.ndarray]) -> float:
-        t, copies = timed(lambda: [np.array(v) for v in shards])
-        del copies
-        return t
-
-    def fresh_and_pretouched(self, shards: list[np.ndarray], nbytes: int) -> tuple[float, float]:
-        """First touch of fresh memory (np.empty + fill), then a copy of every
-        shard into that now-touched memory (what a reused buffer pool costs)."""
-        t0 = time.perf_counter()
-        pool = np.empty(nbytes, np.uint8)
-        pool.fill(0)
-        touch = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        off = 0
-        for v in shards:
-            n = v.nbytes
-            np.copyto(pool[off:off + n], v.reshape(-1).view(np.uint8))
-            off += n
-        copy = time.perf_counter() - t0
-        del pool
-        return touch, copy
-
-    def write(self, shards: list[np.ndarray]) -> tuple[float, list[str]]:
-        """`write_files` into a fresh directory (its time only)."""
-        set_aside(self.dir)
-        os.makedirs(self.dir)
-        t0 = time.perf_counter()
-        paths = write_files(self.dir, shards, self.write_threads)
-        return time.perf_counter() - t0, paths
-
-    def reads(self, paths: list[str], buf: np.ndarray) -> dict[str, float]:
-        out = {}
-        self.cold_method = drop_caches(paths)
-        out["read_cold"], _ = timed(read_through, paths, buf)
-        out["read_warm"], _ = timed(read_through, paths, buf)
-        self.cold_method = drop_caches(paths)
-        t0 = time.perf_counter()
-        fresh = []
-        for p in paths:  # into fresh memory, as a restore must (its arrays are new)
-            m = mmap.mmap(-1, max(os.path.getsize(p), 1))
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                m.madvise(mmap.MADV_HUGEPAGE)
-            read_through([p], np.frombuffer(m, np.uint8))
-            fresh.append(m)
-        out["read_cold_fresh_memory"] = time.perf_counter() - t0
-        for m in fresh:
-            m.close()
-        del fresh
-        self.cold_method = drop_caches(paths)
-        bufs = np.split(buf[:buf.size // 4 * 4], 4)
-        t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(4) as ex:
-            list(ex.map(lambda i: read_through(paths[i::4], bufs[i]), range(4)))
-        out["read_cold_4threads"] = time.perf_counter() - t0
-        return out
-
-    def clean(self) -> None:
-        set_aside(self.dir)
-
-
-def set_aside(d: str) -> None:
-    """Moves directory `d` (if there) into the directory "aside" beside it,
-    removed with the bench's work directory after the last repeat: on a file
-    system mounted with `discard` (this machine's root), writes in the 15-30 s
-    after a large deletion run 2.5-4x slower (docs/environment.md), so a write
-    timed after a delete would time that."""
-    if os.path.exists(d):
-        aside = os.path.join(os.path.dirname(d), "aside")
-        os.makedirs(aside, exist_ok=True)
-        os.rename(d, os.path.join(aside, f"{os.path.basename(d)}.{time.time_ns()}"))
-
-
-def tier_seconds(tw, name: str, step: int) -> float:
-    """A tier write's seconds; raises if that tier did not save `step`."""
-    if isinstance(tw, str) or not tw.ok:
-        raise RuntimeError(f"tier {name} did not save step {step}: {tw}")
-    return tw.seconds
-
-
-class Ours:
     def __init__(self, workdir: str, shm_dir: str):
         import resilient_ckpt as rc
         self.rc = rc
         self.dir = os.path.join(workdir, "resilient_ckpt")
         self.shm = shm_dir
-        self.mngr = self.open(keep=1)
+        self.sut = self.open(keep=1)
 
-    def open(self, keep: int):
+    def open(self, keep: int) -> Ours:
         rc = self.rc
-        return rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(tiers=[
-            rc.RamTier(every=1, keep=keep, path=self.shm), rc.LocalTier(every=1, keep=keep)]))
+        return Ours(self.dir, [rc.RamTier(every=1, keep=keep, path=self.shm),
+                               rc.LocalTier(every=1, keep=keep)])
 
     def save(self, step: int, state) -> tuple[dict[str, float], int | None, dict]:
-        """Seconds per case, the peak memory of the save and its writes, and
-        each tier write's phases (case -> {"chunks_s": ..., ...})."""
-        import orbax.checkpoint as ocp
-        for s in self.mngr.all_steps():  # one step at a time in RAM: the memory is tight
-            self.mngr.delete(s)
-        trim()
-        with PeakRss() as peak:
-            t0 = time.perf_counter()
-            started = self.mngr.save(step, args=ocp.args.StandardSave(state))
-            blocking = time.perf_counter() - t0
-            self.mngr.wait_until_finished()
-            total = time.perf_counter() - t0
-        assert started, f"step {step} was not saved"
-        rec = self.mngr.save_records[-1]
-        out = {"save_blocking": blocking, "save_total": total, "save_snapshot": rec.snapshot_s}
-        phases = {}
-        for name, tw in rec.tiers.items():
-            out[f"save_tier_{name}"] = tier_seconds(tw, name, step)
-            phases[f"save_tier_{name}"] = {f"{k}_s": round(v, 4)
-                                           for k, v in (tw.phases or {}).items()}
-        return out, peak.extra, phases
-
-    def reader(self, tier: str):
-        rc = self.rc
-        t = rc.RamTier(every=1, keep=1, path=self.shm) if tier == "ram" else rc.LocalTier(
-            every=1, keep=1)
-        return rc.CheckpointManager(self.dir, options=rc.CheckpointManagerOptions(
-            tiers=[t], read_only=True, cleanup_tmp_directories=False))
+        return save_case(self.sut, step, state)
 
     def restore(self, tier: str, step: int, abstract, cold: bool, check=None
                 ) -> tuple[float, dict]:
-        import orbax.checkpoint as ocp
-        r = self.reader(tier)
-        try:
-            step_dir = os.path.join(self.shm if tier == "ram" else self.dir, str(step))
-            extra = {}
-            if tier == "local":
-                if cold:
-                    extra["cold_method"] = drop_caches(files_under(step_dir))
-                else:
-                    read_through(files_under(step_dir))
-            settle()
-            with PeakRss() as peak:  # the restored state is alive at its end
-                t, out = timed(r.restore, step, args=ocp.args.StandardRestore(abstract))
-            extra["peak_extra_bytes"] = peak.extra
-            extra["served_bytes"] = dict(r.last_restore.bytes_by_tier)
-            if check is not None:
-                extra["equal"] = same_values(check, out)
-            del out
-            trim()
-            return t, extra
-        finally:
-            r.close()
+        rc = self.rc
+        t = rc.RamTier(every=1, keep=1, path=self.shm) if tier == "ram" else rc.LocalTier(
+            every=1, keep=1)
+        with Ours(self.dir, [t], read_only=True, cleanup_tmp_directories=False) as r:
+            return restore_case(r, step, abstract, None if tier == "ram" else
+                                os.path.join(self.dir, str(step)), cold, check)
 
     def first_save_after_restore(self, step: int, abstract) -> float:
         """A resumed job's first save: a new manager on the same tiers restores
         `step` and, 1 s later, saves the restored state as step + 1; its
         blocking time."""
         import orbax.checkpoint as ocp
-        self.mngr.close()  # one writer per directory: this job "ended"
-        m = self.open(keep=2)
+        self.sut.close()  # one writer per directory: this job "ended"
+        m = self.open(keep=2).mngr
         try:
             restored = m.restore(step, args=ocp.args.StandardRestore(abstract))
             time.sleep(1.0)  # the resumed job's first steps (a compile, at least)
@@ -403,22 +190,18 @@ class Ours:
             m.delete(step + 1)
         finally:
             m.close()
-            self.mngr = self.open(keep=1)
+            self.sut = self.open(keep=1)
         trim()
         return t
 
     def save_local_alone(self, step: int, state) -> float:
         """The local tier's write time when it is the manager's only tier."""
-        import orbax.checkpoint as ocp
-        rc, d = self.rc, self.dir + "-local-alone"
-        mngr = rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(
-            tiers=[rc.LocalTier(every=1, keep=1)]))
+        d = self.dir + "-local-alone"
+        sut = Ours(d, [self.rc.LocalTier(every=1, keep=1)])
         try:
-            assert mngr.save(step, args=ocp.args.StandardSave(state)), f"step {step} not saved"
-            mngr.wait_until_finished()
-            return tier_seconds(mngr.save_records[-1].tiers["local"], "local (alone)", step)
+            return tier_seconds(sut.save(step, state).record, "local", step)
         finally:
-            mngr.close()
+            sut.close()
             set_aside(d)
             trim()
 
@@ -431,59 +214,32 @@ class Ours:
         trim()
 
     def drop(self) -> None:
-        for s in self.mngr.all_steps():
-            self.mngr.delete(s)
+        self.sut.drop()
         trim()
 
     def close(self) -> None:
-        self.mngr.close()
+        self.sut.close()
 
 
-class Orbax:
+class OrbaxCases:
+    """Orbax: its CheckpointManager (async) on the local disk."""
+
     def __init__(self, workdir: str):
-        import orbax.checkpoint as ocp
-        self.ocp = ocp
         self.dir = os.path.join(workdir, "orbax")
-        self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=True))
+        self.sut = Orbax(self.dir, enable_async_checkpointing=True)
 
     def save(self, step: int, state) -> tuple[dict[str, float], int | None, dict]:
-        """As Ours.save; Orbax reports no phases."""
-        for s in self.mngr.all_steps():
-            self.mngr.delete(s)
-        trim()
-        with PeakRss() as peak:
-            t0 = time.perf_counter()
-            started = self.mngr.save(step, args=self.ocp.args.StandardSave(state))
-            blocking = time.perf_counter() - t0
-            self.mngr.wait_until_finished()
-            total = time.perf_counter() - t0
-        assert started, f"orbax did not save step {step}"
-        return {"save_blocking": blocking, "save_total": total}, peak.extra, {}
+        return save_case(self.sut, step, state)
 
     def restore(self, step: int, abstract, cold: bool, check=None) -> tuple[float, dict]:
-        step_dir = os.path.join(self.dir, str(step))
-        extra = {}
-        if cold:
-            extra["cold_method"] = drop_caches(files_under(step_dir))
-        else:
-            read_through(files_under(step_dir))
-        settle()
-        with PeakRss() as peak:
-            t, out = timed(self.mngr.restore, step, args=self.ocp.args.StandardRestore(abstract))
-        extra["peak_extra_bytes"] = peak.extra
-        if check is not None:
-            extra["equal"] = same_values(check, out)
-        del out
-        trim()
-        return t, extra
+        return restore_case(self.sut, step, abstract, os.path.join(self.dir, str(step)),
+                            cold, check)
 
     def drop(self) -> None:
-        for s in self.mngr.all_steps():
-            self.mngr.delete(s)
+        self.sut.drop()
 
     def close(self) -> None:
-        self.mngr.close()
+        self.sut.close()
 
 
 # ---------------------------------------------------------------- one size
@@ -503,7 +259,7 @@ def fit_size(want: int, shm_dir: str) -> tuple[int, str | None]:
     return want, None
 
 
-def run_size(want: int, repeats: int, args, mesh: Mesh
+def run_size(want: int, repeats: int, args, mesh
              ) -> tuple[dict[tuple[str, str], float], list[dict]]:
     """The medians per (system, case), and the lines printed."""
     label = size_label(want)
@@ -511,7 +267,7 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
     shm_dir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.shm)
     nbytes, shrunk = fit_size(want, shm_dir)
     log.info("[%s] building the state (%d bytes asked) ...", label, nbytes)
-    t, state = timed(build_state, nbytes, mesh)
+    t, state = timed(build_state, "train", nbytes, mesh)
     jax.block_until_ready(state)
     actual = tree_bytes(state)
     leaves = jax.tree.leaves(state)
@@ -529,8 +285,8 @@ def run_size(want: int, repeats: int, args, mesh: Mesh
             extras.setdefault((system, case), {}).setdefault(k, []).append(v)
 
     limit = Limit(workdir, args.write_threads)
-    ours = Ours(workdir, shm_dir)
-    orbax = Orbax(workdir)
+    ours = OursCases(workdir, shm_dir)
+    orbax = OrbaxCases(workdir)
     read_buf = np.zeros(max(v.nbytes for v in shards), np.uint8)
     try:
         log.info("[%s] first saves (a fresh job's: fresh memory)", label)

@@ -1,13 +1,14 @@
-"""The training script of bench/_multicontroller.py's in-process cases (a worker, not a bench).
+"""The training script of harness.multiprocess's in-process cases (a worker, not a bench).
 
-Run by resilient_ckpt/testing/multiprocess.py's harness (`start_job`), one process per simulated
-host, with jax's recoverability settings. The state is mh's (exact values
-after every step) on a (replica, data, model) mesh with one replica per
-process (each step also all-reduces a probe across them, as a data-parallel
-step's gradients would), trained under `Elastic` with this host's RamTier every step and the
-shared LocalTier every --local-every steps; the loop shrinks the replica axis
-when a process is lost (`shrink_data_axis(data_axis="replica",
-divisor=False)`), so each survivor restores its replica from its own RAM.
+Started by harness/multiprocess.py through resilient_ckpt.testing.multiprocess's
+`start_job`, one process per simulated host, with jax's recoverability
+settings. The state is mh's (exact values after every step) on a (replica,
+data, model) mesh with one replica per process (each step also all-reduces a
+probe across them, as a data-parallel step's gradients would), trained under
+`Elastic` with this host's RamTier every step and the shared LocalTier every
+--local-every steps; the loop shrinks the replica axis when a process is lost
+(`shrink_data_axis(data_axis="replica", divisor=False)`), so each survivor
+restores its replica from its own RAM.
 
 --victims i:s,j:t ... : process i stops answering before step s (it marks
 "dying" and sleeps until the bench SIGKILLs it). Each process reports (RESULT
@@ -48,7 +49,7 @@ def build(mesh):
     collective a data-parallel step's gradients need and a lost process fails."""
     c = copy.copy(ctx)
     c.mesh = mesh
-    mh._bind(c)
+    mh._bind(c)  # noqa: SLF001 - mh (the package's worker library) binds no other way
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     step = c.step_fn.lower(c.abstract(mesh), scalar).compile()
     n = mesh.shape["replica"]
@@ -72,7 +73,7 @@ mh.report({"event": "opened", "t": time.time(), "init_s": ctx.init_s})
 @el.run
 def train(mesh):
     ctx.mesh = mesh
-    mh._bind(ctx)  # shardings and abstract state on this mesh
+    mh._bind(ctx)  # noqa: SLF001 - shardings and abstract state on this mesh
     built_ahead = el.compiled(mesh)
     t0 = time.perf_counter()
     step = el.program(mesh)
