@@ -22,6 +22,7 @@ package is no script and is not run.
   script it launches;
 - plot: plots of a bench's lines (rows in, a PNG out; no file reading).
 
-Nothing here imports jax at module level: `prepare` must run first, and
-bench/recovery.py times jax's import in a child process.
+Nothing here but `multiprocess` (through resilient_ckpt.testing) imports jax
+at module level: `options.prepare` must run first, and bench/recovery.py
+times jax's import in a child process (it imports `multiprocess` late).
 """
