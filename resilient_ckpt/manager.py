@@ -4,7 +4,8 @@ It resolves its options once (`options.resolve`), opens the tiers, and hands
 the work to two collaborators: the `Catalog` (what each tier holds, which steps
 are viable, retention's choices) and the `Saver` (snapshots, tier workers,
 uploads, the memory budget, background errors). What stays here is Orbax's
-protocol: the save-decision policy (`should_save`), the step listing, the
+protocol: asking the save-decision questions (`should_save`; `options.due`
+decides which tiers a save goes to), the step listing, the
 restore loop (the newest viable step, falling back to older ones when asked
 for "the latest" and the newest turns out corrupt; Orbax's own steps through
 Orbax), deletion and metadata. Background failures are raised once, by the

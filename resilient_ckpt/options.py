@@ -3,8 +3,10 @@
 `CheckpointManagerOptions` carries Orbax's common fields plus ours (tiers,
 memory budgets). `resolve` is a pure function that turns them, once, into the
 `Plan` the rest of the code reads: the tiers fastest first, each with its own
-name, interval, retention and encoding, the step naming, and the retention
-rule. Nothing else re-reads overlapping option fields.
+name, interval, retention and encoding, the step naming, the retention rule,
+and when a save is due. Nothing else re-reads overlapping option fields.
+`due` is the one place that decides which tiers a save goes to, from the plan
+and the facts of the call.
 """
 from __future__ import annotations
 
