@@ -221,7 +221,7 @@ def test_budget_wait_blocks_and_records_the_wait(tmp_path, ram_path, mesh, monke
 
 
 def test_gcs_directory_needs_paths_for_local_tiers(tmp_path):
-    # A gs:// directory is a GCS tier (tests/test_gcs_manager.py); a local tier
+    # A gs:// directory is a GCS tier (tests/storage/test_gcs_manager.py); a local tier
     # beside it cannot default to that directory, and says so.
     with pytest.raises(ValueError, match="gs://"):
         CheckpointManager("gs://bucket/x", options=CheckpointManagerOptions(tiers=[LocalTier()]))

@@ -10,7 +10,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import orbax.checkpoint as ocp
 import pytest
 from hypothesis import given, strategies as st
-from test_corruption import device_state
 
 import resilient_ckpt as rc
 from resilient_ckpt.catalog import tier_steps
@@ -18,6 +17,7 @@ from resilient_ckpt.core import layout, manifest as mf
 from resilient_ckpt.errors import CorruptCheckpointError
 from resilient_ckpt.save import commit
 from resilient_ckpt.storage.files import FileStorage
+from tests.support.corruption import device_state
 
 
 def _manager(tmp_path):

@@ -22,7 +22,9 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import orbax.checkpoint.checkpoint_manager as ocp_cm  # noqa: E402
 import pytest  # noqa: E402
-from test_parity import (  # noqa: E402
+
+import resilient_ckpt as rc  # noqa: E402
+from tests.support.parity import (  # noqa: E402
     NS,
     OURS,
     OURS_BOTH,
@@ -34,8 +36,6 @@ from test_parity import (  # noqa: E402
     assert_same_tree,
     run_both,
 )
-
-import resilient_ckpt as rc  # noqa: E402
 
 # Synchronous saves on both sides: an Orbax save refused midway otherwise leaves
 # background threads waiting for its step directory until they time out.

@@ -18,12 +18,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
-from _tiers import flip  # noqa: E402
-from test_parity import NS, OURS, P, _mesh, assert_same_tree, run_both  # noqa: E402
 
 import resilient_ckpt as rc  # noqa: E402
 from resilient_ckpt.compat import rootmeta
 from resilient_ckpt.core import layout, manifest  # noqa: E402
+from tests.support.parity import NS, OURS, P, _mesh, assert_same_tree, run_both  # noqa: E402
+from tests.support.tiers import flip  # noqa: E402
 
 PH = ocp.PLACEHOLDER
 ROOT_FILE = os.path.join("metadata", "_ROOT_METADATA")

@@ -20,14 +20,14 @@ import types  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
-from test_parity import OURS, OURS_BOTH, SCENARIOS, Impl, _drive, _run, run_both  # noqa: E402
-from test_parity_policies import IMPLS, _loss, lockstep  # noqa: E402
 
 import resilient_ckpt as rc  # noqa: E402
 from resilient_ckpt import LocalTier, RamTier  # noqa: E402
 from resilient_ckpt.catalog.catalog import JobView  # noqa: E402
 from resilient_ckpt.core import retention
 from resilient_ckpt.core.retention import Retention  # noqa: E402
+from tests.support.parity import OURS, OURS_BOTH, SCENARIOS, Impl, _drive, _run, run_both  # noqa: E402
+from tests.support.policies import IMPLS, _loss, lockstep  # noqa: E402
 
 cm = ocp.checkpoint_managers
 ORBAX_RULE = Impl("ours+keep_newest_step=False", rc.CheckpointManager,

@@ -30,10 +30,10 @@ import orbax.checkpoint as ocp  # noqa: E402
 import orbax.checkpoint.experimental.v1 as ocp_v1  # noqa: E402
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
-from test_parity import abstract, assert_same_tree, make_state  # noqa: E402
 
 import resilient_ckpt as rc  # noqa: E402
 from resilient_ckpt import training  # noqa: E402
+from tests.support.parity import abstract, assert_same_tree, make_state  # noqa: E402
 
 SDP = ocp_v1.training.save_decision_policies
 PP = ocp_v1.training.preservation_policies

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointError, RecoveryFailedError, elastic
@@ -38,6 +37,7 @@ from resilient_ckpt.elastic import (
     shrink_data_axis,
 )
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector, delete_buffers_on
+from tests.support.tiers import manager
 
 SHAPE = (16, 8)
 
@@ -186,7 +186,7 @@ TABLE = [
                   "Connection reset by peer"), True, "multi-controller"),
     (lambda: ValueError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/"
                         "pair.cc:538] Read error [127.0.0.1]:9101: Connection reset by peer"),
-     True, "multi-controller"),  # as jax 0.10.2 raised it (tests/test_elastic_multiprocess.py)
+     True, "multi-controller"),  # as jax 0.10.2 raised it (tests/elastic/test_elastic_multiprocess.py)
     (_process_failure, True, "multi-controller"),
     (lambda: failures.DeviceLossError([3, 4], "host 2 is gone"), True, "pathways"),
     (lambda: _named(RuntimeError("host 2 is gone"), [3, 4]), True, "named"),

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from resilient_ckpt import CorruptCheckpointError
@@ -38,6 +37,7 @@ from resilient_ckpt.elastic import (
     ondevice,
 )
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector, delete_buffers_on
+from tests.support.tiers import manager
 
 SPECS = {"w": P(("replica", "data"), "model"),   # FSDP-style: sharded along the replica axis
          "r": P("data", "model"),                 # replicated along the replica axis

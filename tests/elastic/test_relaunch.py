@@ -25,11 +25,9 @@ import textwrap
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from resilient_ckpt.testing.relaunch import prepare
-
 from resilient_ckpt.elastic import jobenv  # noqa: E402
 from resilient_ckpt.elastic.supervisor import Supervisor, SupervisorError, format_relaunches
+from resilient_ckpt.testing.relaunch import prepare
 
 STEPS, LOCAL_EVERY, KILL_AFTER = 16, 4, 6
 

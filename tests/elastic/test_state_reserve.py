@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _tiers import flip, manager as tiers_manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import Elastic
 from resilient_ckpt.elastic.state import StateReserve, retarget, standard_restore, standard_save
 from resilient_ckpt.restore.assemble import Into
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector
+from tests.support.tiers import flip, manager as tiers_manager
 
 ROWS, COLS = 4096, 128  # 2 MiB of uint32 per table: above the reserve's threshold
 
@@ -66,7 +66,7 @@ def step_on(mesh: Mesh):
 
 
 def manager(every: int = 2):
-    """A RAM-only manager (tests/_tiers.py's, without its local tier)."""
+    """A RAM-only manager (tests/support/tiers.py's, without its local tier)."""
     return tiers_manager(ram_every=every, local_every=None)
 
 

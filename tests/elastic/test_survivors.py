@@ -19,6 +19,7 @@ import shutil
 import tempfile
 
 import pytest
+
 from resilient_ckpt.testing.multiprocess import describe, start_job, step_dirs
 
 WORKER = r'''

@@ -21,50 +21,16 @@ import logging
 import shutil
 import tempfile
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from _tiers import flip
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import resilient_ckpt as rc
 from resilient_ckpt.core import layout, manifest as mf
+from tests.support.corruption import abstract, assert_exact, device_state, host_state
+from tests.support.tiers import flip
 
 STEPS = (1, 2, 3)
-
-
-def _mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), ("x",))
-
-
-def host_state(step: int) -> dict:
-    r = np.random.default_rng(step)
-    return {"w": r.standard_normal((256, 64), dtype=np.float32),
-            "b": r.integers(-2**31, 2**31 - 1, (32,), dtype=np.int32), "n": step}
-
-
-def device_state(step: int) -> dict:
-    h = host_state(step)
-    mesh = _mesh()
-    return {"w": jax.device_put(h["w"], NamedSharding(mesh, P("x"))),
-            "b": jax.device_put(h["b"], NamedSharding(mesh, P())), "n": h["n"]}
-
-
-def abstract() -> dict:
-    mesh = _mesh()
-    return {"w": jax.ShapeDtypeStruct((256, 64), np.float32, sharding=NamedSharding(mesh, P("x"))),
-            "b": jax.ShapeDtypeStruct((32,), np.int32, sharding=NamedSharding(mesh, P())),
-            "n": 0}
-
-
-def assert_exact(out: dict, step: int) -> None:
-    want = host_state(step)
-    assert out["n"] == step
-    for k in ("w", "b"):
-        got = np.asarray(out[k])
-        assert got.dtype == want[k].dtype and got.tobytes() == want[k].tobytes(), \
-            f"leaf {k} of step {step} differs"
 
 
 class Dirs:

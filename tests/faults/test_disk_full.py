@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, SaveFailedError
 from resilient_ckpt.core import layout
+from tests.support.disk import abstract, assert_exact, free_bytes, host, leftovers
 
 PAGE = 4096
 
@@ -44,26 +45,6 @@ def make_state(mesh, seed, many=False):
     return state
 
 
-def abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                        if isinstance(x, jax.Array) else x, tree)
-
-
-def host(tree):
-    return jax.tree.map(lambda x: np.array(x) if isinstance(x, (jax.Array, np.ndarray)) else x,
-                        tree)
-
-
-def assert_exact(got, want):
-    g, w = jax.tree.leaves(host(got)), jax.tree.leaves(want)
-    assert len(g) == len(w)
-    for a, b in zip(g, w, strict=True):
-        if isinstance(b, np.ndarray):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
-        else:
-            assert a == b
-
-
 def footprint(ckpt: str, step: int) -> tuple[list[int], int]:
     """(sizes of the files a save of the step writes before its manifest:
     chunks, and its claim where there is one; size of its manifest)."""
@@ -74,15 +55,6 @@ def footprint(ckpt: str, step: int) -> tuple[list[int], int]:
     before = [v for n, v in sizes.items() if not layout.parse_manifest_name(n)]
     assert any(layout.is_chunk_name(n) for n in sizes) and len(manifest) == 1
     return before, manifest[0]
-
-
-def leftovers(ckpt: str, step: int) -> list[str]:
-    """The step's chunks, temporaries and manifests on the disk (its claim,
-    claim.py's, may stay: it only says which save may commit the step)."""
-    d = os.path.join(ckpt, str(step))
-    names = os.listdir(d) if os.path.isdir(d) else []
-    return sorted(n for n in names if layout.is_chunk_name(n) or layout.parse_tmp_name(n)
-                  or layout.parse_manifest_name(n))
 
 
 def scenario(ckpt: str, case: str, fill, unfill) -> None:
@@ -130,11 +102,6 @@ def scenario(ckpt: str, case: str, fill, unfill) -> None:
 
 
 # ------------------------------------------------------------ a small tmpfs
-
-
-def free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 @pytest.fixture
@@ -189,8 +156,9 @@ def _child(ckpt: str, case: str) -> None:
 
 @pytest.mark.parametrize("case", ["chunks", "many chunks", "manifest"])
 def test_disk_full_under_rlimit_fsize(tmp_path, case):
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {here!r}); import test_disk_full as t; "
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (f"import sys; sys.path.insert(0, {root!r}); "
+            "from tests.faults import test_disk_full as t; "
             f"t._child({str(tmp_path / 'ckpt')!r}, {case!r})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -23,7 +23,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import shutil
-import sys
 import tempfile
 import threading
 import uuid
@@ -44,9 +43,7 @@ from resilient_ckpt import (
 )
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.gcs_proxy import FaultProxy
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_gcs_faults import complete_steps, equal, make_state  # noqa: E402
+from tests.support.gcs_state import complete_steps, equal, make_state
 
 # Short enough that a save at 50% faults may run out of time (and must then
 # fail cleanly), long enough that most commit.

@@ -29,7 +29,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
-from test_corruption import abstract, assert_exact, device_state
 
 import resilient_ckpt as rc
 from resilient_ckpt.catalog import tier_steps
@@ -37,6 +36,7 @@ from resilient_ckpt.core import layout, manifest as mf, selection
 from resilient_ckpt.errors import StorageError
 from resilient_ckpt.storage.files import FileStorage
 from resilient_ckpt.storage.wrapper import StorageWrapper
+from tests.support.corruption import abstract, assert_exact, device_state
 
 TRAILER = b',"manifest_crc32c":'
 OTHER = {"ram": "local", "local": "ram"}

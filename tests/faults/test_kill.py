@@ -1,6 +1,6 @@
 """SIGKILL at random points of every phase of a save never loses a committed step.
 
-A child process (tests/_saver.py) saves deterministic steps to a RamTier, a
+A child process (tests/support/saver.py) saves deterministic steps to a RamTier, a
 LocalTier and a GcsTier (the bundled fake-gcs-server), all with small `keep`
 so that retention deletes at every save. Each trial kills one child with
 SIGKILL, in one of these ways, in turn:
@@ -12,7 +12,7 @@ SIGKILL, in one of these ways, in turn:
              the child kills itself at a random point of that phase: on a
              random call of the library function the phase runs (snapshot.take,
              a chunk put, the manifest's create-only put, tier_steps.delete_step, a
-             GCS upload), before, during or after it (tests/_saver.py says
+             GCS upload), before, during or after it (tests/support/saver.py says
              where exactly). This self-kill hook is the one simulated part: a
              kill from outside cannot be aimed at a phase that lasts a
              millisecond; the kill itself is a real SIGKILL.
@@ -64,10 +64,9 @@ import resilient_ckpt as rc
 from resilient_ckpt.core import layout
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.fake_gcs import FakeGcs
+from tests.support import saver as _saver  # the child's script: what each step holds, its hooks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import _saver  # noqa: E402  (the child's script: what each step holds, its hooks)
+SAVER = _saver.__file__  # run as a script: `python tests/support/saver.py ...`
 
 KINDS = ("time", "save_call") + _saver.PHASES
 _ASKED = int(os.environ.get("RC_FAULT_TRIALS", "0"))
@@ -111,7 +110,7 @@ class Child:
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                    JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_saver.py"), *where],
+            [sys.executable, SAVER, *where],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
             text=True, env=env)
         self.lines: list[str] = []

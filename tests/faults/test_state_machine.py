@@ -22,7 +22,6 @@ import shutil
 import tempfile
 import uuid
 
-import _writer  # noqa: E402  (states and exact checks, beside this file)
 import orbax.checkpoint as ocp
 import pytest
 from hypothesis import settings, strategies as st
@@ -37,6 +36,7 @@ from hypothesis.stateful import (
 import resilient_ckpt as rc
 from resilient_ckpt.core import layout, manifest as mf
 from resilient_ckpt.save import claim
+from tests.support import writer as _writer
 
 TIERS = ("ram", "local")
 LONG = os.environ.get("RC_LONG") == "1"

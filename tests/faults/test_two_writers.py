@@ -7,7 +7,7 @@
   saved the step) is refused in every tier and what it wrote is removed;
   claims taken at once by two saves' tier workers go to one save; a dead
   writer's claim is cleaned up or taken over. (Two GCS writers, which no
-  flock holds apart, racing to one save: tests/test_gcs_manager.py.)
+  flock holds apart, racing to one save: tests/storage/test_gcs_manager.py.)
 - Restore beside a writer whose retention (keep=1) deletes steps: every
   restore of the latest step returns some step's exact state.
 """
@@ -23,7 +23,6 @@ import sys
 import threading
 import uuid
 
-import _writer  # noqa: E402  (the child's script, beside this file: states and checks)
 import orbax.checkpoint as ocp
 import pytest
 
@@ -31,8 +30,10 @@ import resilient_ckpt as rc
 from resilient_ckpt.core import layout, manifest as mf
 from resilient_ckpt.save import claim, cleanup
 from resilient_ckpt.storage import FileStorage
+from tests.support import writer as _writer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+WRITER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "support", "writer.py")  # the child's script
 NAMING = layout.StepNaming()
 
 
@@ -112,7 +113,7 @@ def test_lock_goes_with_a_collected_manager(dirs):
 def test_two_processes_one_wins_the_directory(dirs, tmp_path):
     ram, local = dirs
     sync = str(tmp_path)
-    kids = [subprocess.Popen([sys.executable, os.path.join(HERE, "_writer.py"), "race", ram,
+    kids = [subprocess.Popen([sys.executable, WRITER, "race", ram,
                               local, sync, str(i)], stdout=subprocess.PIPE, text=True)
             for i in (0, 1)]
     try:
@@ -231,7 +232,7 @@ def test_dead_writers_claim_is_cleaned_or_taken_over(tmp_path):
 def test_restore_latest_beside_a_writer_that_deletes(dirs, tmp_path):
     ram, local = dirs
     stop = str(tmp_path / "stop")
-    kid = subprocess.Popen([sys.executable, os.path.join(HERE, "_writer.py"), "loop", ram, local,
+    kid = subprocess.Popen([sys.executable, WRITER, "loop", ram, local,
                             stop], stdout=subprocess.PIPE, text=True)
     try:
         first = kid.stdout.readline()
@@ -259,7 +260,7 @@ def test_a_dead_writers_unrestorable_step_is_saved_again(dirs, tmp_path):
     and the step then restores the new state."""
     ram, local = dirs
     stop = str(tmp_path / "stop")
-    kid = subprocess.Popen([sys.executable, os.path.join(HERE, "_writer.py"), "loop", ram, local,
+    kid = subprocess.Popen([sys.executable, WRITER, "loop", ram, local,
                             stop], stdout=subprocess.PIPE, text=True)
     try:
         while not kid.stdout.readline().startswith("saved 2"):

@@ -23,13 +23,11 @@ import collections
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from resilient_ckpt.testing.multiprocess import (
     JobTimeout,
     describe,

@@ -2,7 +2,7 @@
 devices did not read come back from replica 0, bit for bit, for leaves of
 several dtypes, layouts and sizes packed into one program; and a shard no
 replica read is reported, not made up. (The multi-process fill of a lost
-host's RAM is tests/test_multihost.py's.)"""
+host's RAM is tests/multihost/test_multihost.py's.)"""
 import jax
 import ml_dtypes
 import numpy as np

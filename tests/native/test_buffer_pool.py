@@ -11,12 +11,12 @@ import threading
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_gcs_manager import FAST, abstract, assert_equal, make_state
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, GcsTier
 from resilient_ckpt.core import codec
 from resilient_ckpt.native.hostmem import BufferPool
 from resilient_ckpt.save import transfer
+from tests.support.gcs_manager import FAST, abstract, assert_equal, make_state
 
 
 @pytest.mark.parametrize("keep_idle", [True, False])

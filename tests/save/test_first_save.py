@@ -9,8 +9,9 @@ import threading
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from _tiers import manager
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tests.support.tiers import manager
 
 
 def _state(seed: float) -> dict:

@@ -22,10 +22,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from test_disk_full import abstract, assert_exact, free_bytes, host, leftovers
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, SaveFailedError
 from resilient_ckpt.storage import durable
+from tests.support.disk import abstract, assert_exact, free_bytes, host, leftovers
 
 
 def _run(*cmd):

@@ -1,7 +1,7 @@
-"""Child process for tests/test_kill.py: saves a stream of deterministic steps
+"""Child process for tests/faults/test_kill.py: saves a stream of deterministic steps
 until it is killed, or kills itself at a chosen point of a chosen phase.
 
-    python tests/_saver.py RAM_DIR LOCAL_DIR [GCS_URL GCS_ENDPOINT]
+    python tests/support/saver.py RAM_DIR LOCAL_DIR [GCS_URL GCS_ENDPOINT]
 
 It imports jax, prints "imported", waits for one line on stdin (so the parent
 can start it early, while it still checks the previous trial), opens a manager

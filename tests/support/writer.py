@@ -1,7 +1,7 @@
-"""Child process for tests/test_two_writers.py: a second writer of one directory.
+"""Child process for tests/faults/test_two_writers.py: a second writer of one directory.
 
-    python tests/_writer.py race RAM LOCAL SYNC INDEX
-    python tests/_writer.py loop RAM LOCAL STOP
+    python tests/support/writer.py race RAM LOCAL SYNC INDEX
+    python tests/support/writer.py loop RAM LOCAL STOP
 
 `race`: opens a manager on RamTier(RAM) + LocalTier(LOCAL), creates
 SYNC/ready.INDEX, waits for SYNC/go, saves step 1 holding `state(INDEX)` and

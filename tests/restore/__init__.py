@@ -1,0 +1,1 @@
+"""Tests of resilient_ckpt.restore (docs/architecture.md)."""

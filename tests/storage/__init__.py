@@ -1,0 +1,1 @@
+"""Tests of resilient_ckpt.storage (docs/architecture.md)."""
