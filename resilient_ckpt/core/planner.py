@@ -128,7 +128,8 @@ def plan_boxes(boxes: Sequence[Box], chunks: Sequence[ChunkRecord], where: str
     """plan_target of each box, for chunks that tile their array, as a
     selected step's do (selection checks chunks_cover): a box that is exactly
     one chunk is planned as that chunk, without comparing it with every other
-    (a third of a 256 MB RAM-tier restore's time, 3086 chunks, went there)."""
+    (quadratic in the chunks: a large share of a RAM-tier restore of many
+    chunks went there)."""
     exact = {(c.offsets, c.sizes): c for c in chunks}
     plans = []
     for box in boxes:

@@ -33,7 +33,7 @@ from ..native.hostmem import carve, host_buffer
 # a round holds its packs, their gathered replicas and the selection (about
 # replicas + 2 times this), so a round stays within the restore's budget of
 # 256 MiB past the state however many devices a host has (it was 256 MiB per
-# device). What a 1 GB lost-host fill still takes beyond that is XLA's:
+# device). What a lost-host fill still takes beyond that is XLA's:
 # docs/benchmarks.md.
 GROUP_BYTES = 64 * 1024 * 1024
 _ALIGN = 4096

@@ -81,7 +81,7 @@ class Saver:
         replicas = any(_keeps_replicas(t) for t in tiers)
         peers = self._catalog.peers  # after a loss, the survivors' labels (agree.py)
         records, sources = snapshot.describe_items(items, save_id, peers.rank, replicas)
-        layout = snapshot.slab_layout(sources)  # jax's .nbytes: 20 us a shard; once a save
+        layout = snapshot.slab_layout(sources)  # jax's .nbytes costs per shard: once a save
         need = sum(layout[0])
         self._flying.reserve(need, rec, [t.name for t in tiers if t.storage.remote])
         try:
