@@ -3,7 +3,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from resilient_ckpt.core import layout, planner
 from resilient_ckpt.core.manifest import ChunkRecord
@@ -47,7 +47,6 @@ def test_plan_rejects_gaps_and_overlaps():
 dims = st.integers(1, 7)
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
     st.just(tuple(shape)),
     st.tuples(*[st.lists(st.integers(1, max(1, n - 1)), max_size=3) for n in shape]),
@@ -71,7 +70,6 @@ def test_plan_covers_every_target_element_exactly_once(case):
         assert sum(p.elements for p in plan.pieces) == int(np.prod(t.sizes))
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
     st.just(tuple(shape)),
     st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]),

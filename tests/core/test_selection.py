@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from resilient_ckpt.core import manifest as mf
 from resilient_ckpt.core.selection import TierStep, last_viable, viable
 from resilient_ckpt.errors import CorruptCheckpointError
+from tests.support import effort
 
 TIERS = ("ram", "local")
 
@@ -94,7 +95,7 @@ def oracle(world):
     return out
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=effort.examples(400))
 @given(worlds())
 def test_selects_newest_viable_and_only_viable(w):
     world, seed = w
@@ -115,7 +116,6 @@ def test_selects_newest_viable_and_only_viable(w):
         assert list(chosen.sources[c.key]) == sorted(chosen.sources[c.key], key=TIERS.index)
 
 
-@settings(max_examples=200, deadline=None)
 @given(worlds(), st.integers(0, 2**32 - 1))
 def test_selection_does_not_depend_on_listing_order(w, seed2):
     world, seed = w
@@ -126,7 +126,6 @@ def test_selection_does_not_depend_on_listing_order(w, seed2):
     assert set(a) == oracle(world)
 
 
-@settings(max_examples=200, deadline=None)
 @given(worlds(), st.data())
 def test_bad_copies_move_selection_to_the_next_copy_or_older_step(w, data):
     world, seed = w
@@ -174,7 +173,6 @@ def _summary(choices):
     return {s: (c.save_id, dict(c.sources)) for s, c in choices.items()}
 
 
-@settings(max_examples=200, deadline=None)
 @given(worlds(), worlds(), st.data())
 def test_a_memo_carried_between_calls_never_changes_the_answer(w1, w2, data):
     # A catalog between two calls: some steps' views kept as the very same

@@ -4,6 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from resilient_ckpt.core.shares import WHOLE, Share, agree, box_report, covered, unsettled
+from tests.support import effort
 
 TIERS = ["ram", "local", "gcs"]
 
@@ -32,7 +33,7 @@ def reports(draw):
     return out, truth
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=effort.examples(300))
 @given(reports())
 def test_a_save_is_viable_exactly_when_every_share_is_somewhere(data):
     views, truth = data
@@ -53,7 +54,6 @@ def test_a_save_is_viable_exactly_when_every_share_is_somewhere(data):
                            if w or all(h[q] for q in range(n))}
 
 
-@settings(max_examples=200, deadline=None)
 @given(reports(), st.randoms())
 def test_every_process_decides_the_same_from_the_same_reports(data, rnd):
     """Whatever the order shares arrive in, or who reported them, the answer
@@ -108,7 +108,7 @@ def _box_report(step, sid, count, boxes, shape=(4, 6)):
     return [[step, sid, count, [["default", 0, list(shape), boxes]]]]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=effort.examples(300))
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.data())
 def test_a_save_is_covered_exactly_when_every_box_is_held_somewhere(gr, gc, nprocs, data):
     """Each box on any subset of processes (replicas on several, or none):

@@ -3,7 +3,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.multiprocess
 def test_demo_crash_and_resume():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
@@ -34,6 +37,8 @@ def test_importing_the_demos_leaves_the_environment_alone():
     assert out.stdout.strip() == "None", out.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_demo_two_hosts_one_killed_the_job_goes_on():
     """`--hosts 2`: two processes under the supervisor, process 1 SIGKILLed and its
     RAM tier removed, a fresh pair restores (host 1 from its peer) and finishes."""

@@ -37,6 +37,7 @@ from resilient_ckpt.elastic import (
     shrink_data_axis,
 )
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector, delete_buffers_on
+from tests.support import effort
 from tests.support.tiers import manager
 
 SHAPE = (16, 8)
@@ -328,7 +329,7 @@ def test_restore_target_must_be_on_the_current_mesh(mesh, devices, check):
 
 # ------------------------------------------------------------------ recovery
 
-@hypothesis.settings(max_examples=10, deadline=None, derandomize=False,
+@hypothesis.settings(max_examples=effort.examples(10), deadline=None, derandomize=False,
                      suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 @hypothesis.given(
     ram_every=st.integers(1, 4),

@@ -56,6 +56,7 @@ def wait_for_ready(p: subprocess.Popen) -> bool:
     return False
 
 
+@pytest.mark.multiprocess
 def test_a_killed_peer_is_recoverable(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)

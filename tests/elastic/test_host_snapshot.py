@@ -37,6 +37,7 @@ from resilient_ckpt.elastic import (
     ondevice,
 )
 from resilient_ckpt.testing.faults import DeviceFault, FaultInjector, delete_buffers_on
+from tests.support import effort
 from tests.support.tiers import manager
 
 SPECS = {"w": P(("replica", "data"), "model"),   # FSDP-style: sharded along the replica axis
@@ -220,7 +221,7 @@ def _blocks(sharding, shape, axis):
     return leaf, order, group
 
 
-@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.settings(max_examples=effort.examples(40), deadline=None)
 @hypothesis.given(mesh_shape=st.sampled_from([(2, 2, 2), (2, 1, 4), (4, 2, 1), (2, 4, 1),
                                               (1, 2, 4)]),
                   spec=st.sampled_from(SPEC_CHOICES), target=st.sampled_from(SPEC_CHOICES),

@@ -91,6 +91,7 @@ def test_a_directory_of_its_own_is_removed_at_the_end(tmp_path):
     assert not os.path.exists(sup.workdir)
 
 
+@pytest.mark.slow  # waits out the grace period
 def test_a_process_deaf_to_sigterm_is_killed_after_the_grace(tmp_path):
     argv = _script(tmp_path, """
         import signal
@@ -169,7 +170,9 @@ def _logs(sup: Supervisor) -> str:
     return "\n".join(out)
 
 
-@pytest.mark.parametrize("nprocs,devices", [(2, 4), (4, 2)], ids=["2proc", "4proc"])
+@pytest.mark.parametrize("nprocs,devices", [
+    pytest.param(2, 4, id="2proc"), pytest.param(4, 2, id="4proc", marks=pytest.mark.slow)])
+@pytest.mark.multiprocess
 def test_lost_host_relaunch_resumes_exactly(hosts, nprocs, devices):
     argv, env = prepare(os.path.join(hosts["work"], "job"))
     argv += ["--dir", hosts["dir"], "--ram", hosts["ram"], "--devices", str(devices),

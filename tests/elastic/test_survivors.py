@@ -150,9 +150,11 @@ def _manifests(path: str, step: int) -> list[str]:
                   if n.startswith("manifest."))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs,devices,victim,stall", [
-    (2, 4, 1, "step"), (4, 2, 2, "step"), (4, 2, 1, "save")],
-    ids=["2proc", "4proc", "4proc-between-steps"])
+    pytest.param(2, 4, 1, "step", id="2proc"),
+    pytest.param(4, 2, 2, "step", id="4proc", marks=pytest.mark.slow),
+    pytest.param(4, 2, 1, "save", id="4proc-between-steps", marks=pytest.mark.slow)])
 def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
     die_at, total = 8, 11
     job = start_job(WORKER, nprocs, devices, args=[
@@ -193,6 +195,8 @@ def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
     json.dumps(alive[0].last("done"))  # the events are plain data
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_second_loss_during_the_recovery_is_recovered_from_too(hosts):
     """4 processes: process 2 is lost at step 8; process 1 is killed as the
     survivors start restoring (their restore's agreements then time out, a
@@ -222,6 +226,8 @@ def test_a_second_loss_during_the_recovery_is_recovered_from_too(hosts):
         assert done["latest"] == total, why
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_lone_survivor_restores_the_newest_step_from_its_own_ram(hosts):
     """One replica per process (mesh replica=2, data=2, model=2): the survivor's
     RAM tier holds the whole state of every step, so the job's newest save

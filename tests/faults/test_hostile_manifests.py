@@ -36,6 +36,7 @@ from resilient_ckpt.core import layout, manifest as mf, selection
 from resilient_ckpt.errors import StorageError
 from resilient_ckpt.storage.files import FileStorage
 from resilient_ckpt.storage.wrapper import StorageWrapper
+from tests.support import effort
 from tests.support.corruption import abstract, assert_exact, device_state
 
 TRAILER = b',"manifest_crc32c":'
@@ -294,7 +295,7 @@ def damages(draw):
     return f"{kind} at {at:.3f} bit {bit}", damage
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=effort.examples(60), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(change=st.one_of(rewrites(), damages()),
        tiers=st.sampled_from([("ram",), ("local",), ("ram", "local")]))

@@ -34,9 +34,20 @@ on top of older steps and of whatever the previous kill left behind; every
 other trial skips the parent's cleanup so the next child's own cleanup has to
 deal with the leftovers while it saves.
 
-Size: at least MIN_TRIALS kills, more while the time budget lasts. The long
-run sets RC_FAULT_TRIALS=500 (exactly that many, no budget); RC_FAULT_REPORT=
-PATH writes the per-kind outcomes as JSON there (bench/reliability.py reads it).
+Two sizes (options of tests/conftest.py): [smoke], in the default run, makes
+exactly `--kill-trials` kills (default 8, one of each kind); [campaign],
+marked slow, makes exactly `--kill-campaign-trials` kills, or by default at
+least MIN_TRIALS and more while BUDGET_S lasts. The long run:
+
+    python -m pytest -q -m slow tests/faults/test_kill.py \
+        --kill-campaign-trials=500 --kill-report=PATH
+
+`--kill-report=PATH` writes the per-kind outcomes as JSON there
+(bench/reliability.py reads it); `--seed` changes every trial's choices.
+
+The parent tells each child where to kill itself through RC_KILL_PHASE,
+RC_KILL_COUNT, RC_KILL_POINT and RC_KILL_SEED in the child's environment
+(tests/support/saver.py): a protocol between the two, not a setting.
 """
 from __future__ import annotations
 
@@ -69,10 +80,10 @@ from tests.support import saver as _saver  # the child's script: what each step 
 SAVER = _saver.__file__  # run as a script: `python tests/support/saver.py ...`
 
 KINDS = ("time", "save_call") + _saver.PHASES
-_ASKED = int(os.environ.get("RC_FAULT_TRIALS", "0"))
-TRIALS = _ASKED or 100  # kills; fewer (never under MIN_TRIALS) when the machine is slow
-MIN_TRIALS = _ASKED or 50
-BUDGET_S = float("inf") if _ASKED else 100.0  # no trial starts after this, past MIN_TRIALS
+# A campaign's size when --kill-campaign-trials is 0: MAX_TRIALS kills, fewer
+# (never under MIN_TRIALS) when the machine is slow.
+MAX_TRIALS, MIN_TRIALS = 100, 50
+BUDGET_S = 100.0  # no trial starts after this, past MIN_TRIALS
 HOOK_WAIT_S = 30.0  # a child whose hook never fired is killed from outside after this
 CATEGORIES = ("torn", "wrong", "lost", "dirty")
 
@@ -89,9 +100,9 @@ def where():
     shutil.rmtree(local, ignore_errors=True)
 
 
-def plan_trial(trial: int) -> dict:
+def plan_trial(trial: int, seed: int = 0) -> dict:
     """What trial `trial` does: its kind and, for a phase, the child's hook."""
-    rng = random.Random(20240229 * 1000 + trial)
+    rng = random.Random((20240229 * 1000 + trial) ^ (seed << 40))
     kind = KINDS[trial % len(KINDS)]
     spec = {"kind": kind, "rng": rng}
     if kind in _saver.PHASES:
@@ -370,7 +381,23 @@ def write_report(path: str, findings: Findings, stats: dict) -> None:
                    "newest_committed": stats["_newest"]}, f, indent=1)
 
 
-def test_sigkill_at_random_points_of_every_phase_never_loses_a_committed_step(where):
+def _size(config, size: str) -> tuple[int, int, float]:
+    """(most kills, fewest kills, time budget) of the [smoke] or [campaign] run."""
+    asked = config.getoption("kill_trials" if size == "smoke" else "kill_campaign_trials")
+    if asked:
+        return asked, asked, float("inf")
+    return MAX_TRIALS, MIN_TRIALS, BUDGET_S
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("size", [
+    pytest.param("smoke", marks=pytest.mark.trials("kill_trials", 15)),
+    pytest.param("campaign", marks=[pytest.mark.slow,
+                                    pytest.mark.trials("kill_campaign_trials", 15)])])
+def test_sigkill_at_random_points_of_every_phase_never_loses_a_committed_step(
+        where, request, seed, size):
+    trials, min_trials, budget_s = _size(request.config, size)
+    report = request.config.getoption("kill_report")
     findings = Findings()
     stats: dict = {k: collections.Counter() for k in KINDS}
     stats["_points"] = {k: collections.Counter() for k in KINDS}  # where kills landed
@@ -379,17 +406,17 @@ def test_sigkill_at_random_points_of_every_phase_never_loses_a_committed_step(wh
     t0 = time.monotonic()
     # Children are started two trials ahead: they import jax while earlier
     # trials run and are checked, and only open the manager when told "go".
-    specs = [plan_trial(i) for i in range(min(2, TRIALS))]
+    specs = [plan_trial(i, seed) for i in range(min(2, trials))]
     ahead = collections.deque(Child(where, s.get("env")) for s in specs)
     child = ahead[0]
     trial = 0
     try:
-        for trial in range(TRIALS):
+        for trial in range(trials):
             child, spec = ahead.popleft(), specs[trial]
-            last = trial == TRIALS - 1 or (trial + 1 >= MIN_TRIALS
-                                           and time.monotonic() - t0 > BUDGET_S)
-            if trial + len(ahead) + 1 < TRIALS and not last:
-                specs.append(plan_trial(len(specs)))
+            last = trial == trials - 1 or (trial + 1 >= min_trials
+                                           and time.monotonic() - t0 > budget_s)
+            if trial + len(ahead) + 1 < trials and not last:
+                specs.append(plan_trial(len(specs), seed))
                 ahead.append(Child(where, specs[-1].get("env")))
             kind = spec["kind"]
             fired = kill_trial(child, spec)
@@ -415,8 +442,8 @@ def test_sigkill_at_random_points_of_every_phase_never_loses_a_committed_step(wh
             if c.proc.poll() is None:
                 c.kill()
         stats["_elapsed"], stats["_newest"] = round(time.monotonic() - t0, 1), newest
-        if os.environ.get("RC_FAULT_REPORT"):  # also when a trial failed outright
-            write_report(os.environ["RC_FAULT_REPORT"], findings, stats)
+        if report:  # also when a trial failed outright
+            write_report(report, findings, stats)
     print(f"{trial + 1} kills in {stats['_elapsed']} s; newest committed step {newest} "
           f"(on GCS {newest_gcs}); per kind: "
           + "; ".join(f"{k} {stats[k]['trials']} ({stats[k]['fired']} landed, "

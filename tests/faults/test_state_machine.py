@@ -8,8 +8,11 @@ gives the newest restorable step, `restore(s)` gives step s exactly or
 raises; every restorable step is listed. Retention keeps everything here, so
 only `delete` removes steps.
 
-Bounded for CI (30 examples of up to 16 rules, a few seconds here);
-RC_LONG=1 runs 200 of up to 40.
+Two sizes: `TestCheckpoints` (the default run: 30 examples of up to 16
+rules at the default Hypothesis profile) and `TestCheckpointsLong` (marked
+slow: 200 examples of up to 40 rules). Both scale with the profile
+(tests/support/effort.py): `--hypothesis-profile=thorough` runs ten times as
+many examples, and up to 40 rules in the default-size machine too.
 """
 from __future__ import annotations
 
@@ -36,10 +39,9 @@ from hypothesis.stateful import (
 import resilient_ckpt as rc
 from resilient_ckpt.core import layout, manifest as mf
 from resilient_ckpt.save import claim
-from tests.support import writer as _writer
+from tests.support import effort, writer as _writer
 
 TIERS = ("ram", "local")
-LONG = os.environ.get("RC_LONG") == "1"
 
 
 @dataclasses.dataclass
@@ -206,6 +208,15 @@ def _flip(path: str, at: int) -> None:
 
 
 Checkpoints.TestCase.settings = settings(
-    max_examples=200 if LONG else 30, stateful_step_count=40 if LONG else 16,
+    max_examples=effort.examples(30), stateful_step_count=40 if effort.long() else 16,
     deadline=None)
 TestCheckpoints = Checkpoints.TestCase
+
+
+class CheckpointsLong(Checkpoints):
+    """The same machine, longer: more examples, more rules each."""
+
+
+CheckpointsLong.TestCase.settings = settings(
+    max_examples=effort.examples(200), stateful_step_count=40, deadline=None)
+TestCheckpointsLong = pytest.mark.slow(CheckpointsLong.TestCase)

@@ -13,11 +13,13 @@ the step it says it restored (the state's arithmetic is exact).
 CheckpointManager on the shared directory: it checks the harness (kills,
 fresh jobs, comparisons), and must pass.
 
-Environment: RC_MULTIHOST_TRIALS (kill trials with 2 processes, default 8,
-CI's share; the long run in docs/benchmarks.md sets 250), RC_MULTIHOST_TRIALS_4
-(with 4 processes, default 4), RC_MULTIHOST_CONTROL_TRIALS
-(Orbax control, default 3), RC_MULTIHOST_SEED (default 0). Every job has a hard
-timeout (the harness kills it and fails the test).
+Sizes are options of tests/conftest.py: `--multihost-trials` (kill trials of
+a 2-process job in the default run, default 1), `--multihost-campaign-trials`
+(the same, slow run, default 8; the long run in docs/benchmarks.md sets 250),
+`--multihost-trials-4` (4 processes, slow, default 4),
+`--multihost-control-trials` (the Orbax control, slow, default 3), `--seed`
+(default 0). Jobs of 4 processes and waits on timeouts are marked slow. Every
+job has a hard timeout (the harness kills it and fails the test).
 """
 import collections
 import os
@@ -36,10 +38,7 @@ from resilient_ckpt.testing.multiprocess import (
     step_dirs,
 )
 
-TRIALS = int(os.environ.get("RC_MULTIHOST_TRIALS", "8"))  # CI's share: 6-10 s a trial
-TRIALS_4 = int(os.environ.get("RC_MULTIHOST_TRIALS_4", "4"))  # 10-17 s a trial
-CONTROL_TRIALS = int(os.environ.get("RC_MULTIHOST_CONTROL_TRIALS", "3"))
-SEED = int(os.environ.get("RC_MULTIHOST_SEED", "0"))
+pytestmark = pytest.mark.multiprocess
 JOB_S = 90  # hard timeout of one job
 
 # ---------------------------------------------------------------- worker scripts
@@ -329,10 +328,14 @@ def judge(records, trials):
     return errors, disagree, inexact, table
 
 
-@pytest.mark.parametrize("nprocs,devices,trials", [(2, 4, TRIALS), (4, 2, TRIALS_4)],
-                         ids=["2proc", "4proc"])
-def test_kill_trials_agree_and_exact(hosts, nprocs, devices, trials):
-    records = kill_trials(hosts, trials, nprocs, devices, "ours", SEED + nprocs)
+@pytest.mark.parametrize("nprocs,devices", [  # a trial: 6-10 s (2 processes), 10-17 s (4)
+    pytest.param(2, 4, id="2proc", marks=pytest.mark.trials("multihost_trials", 60)),
+    pytest.param(2, 4, id="2proc-campaign", marks=[
+        pytest.mark.slow, pytest.mark.trials("multihost_campaign_trials", 60)]),
+    pytest.param(4, 2, id="4proc", marks=[
+        pytest.mark.slow, pytest.mark.trials("multihost_trials_4", 90)])])
+def test_kill_trials_agree_and_exact(hosts, nprocs, devices, trials, seed):
+    records = kill_trials(hosts, trials, nprocs, devices, "ours", seed + nprocs)
     errors, disagree, inexact, table = judge(records, trials)
     assert len(records) == trials and (errors, disagree, inexact) == (0, 0, 0), (
         f"{errors} errors, {disagree} disagreements, {inexact} inexact/mixed "
@@ -387,7 +390,8 @@ def six_steps(hosts):
     return hosts
 
 
-@pytest.mark.parametrize("nprocs,devices", [(1, 8), (4, 2)], ids=["1proc", "4proc"])
+@pytest.mark.parametrize("nprocs,devices", [
+    pytest.param(1, 8, id="1proc"), pytest.param(4, 2, id="4proc", marks=pytest.mark.slow)])
 def test_restore_with_another_process_count_resharded(six_steps, nprocs, devices):
     """A 2-process (4,2)-mesh checkpoint restored by 1 process of 8 devices (no
     jax.distributed) or 4 processes of 2 (hosts 2 and 3 with empty RAM tiers),
@@ -404,6 +408,7 @@ def test_restore_with_another_process_count_resharded(six_steps, nprocs, devices
             f"shards: {summary(reports)}")
 
 
+@pytest.mark.slow
 def test_a_4_process_checkpoint_restores_in_2_processes(hosts):
     """Saved by 4 processes (2 devices each), restored by 2 (4 each): the
     shared tier's 4-process step, exact, the same step on both."""
@@ -416,6 +421,7 @@ def test_a_4_process_checkpoint_restores_in_2_processes(hosts):
         assert read <= 1.05 * r["target_bytes"], summary(reports)
 
 
+@pytest.mark.slow
 def test_a_job_that_finds_nothing_ends_cleanly(hosts):
     """4 processes open managers on empty tiers and end at once: every one
     exits 0. (The cleanup thread asked jax for the process index as the
@@ -439,7 +445,9 @@ def test_harness_timeout_kills_and_fails(tmp_path):
     assert all(p.poll() is not None for p in job.procs)
 
 
-def test_harness_control_orbax_agrees(hosts):
+@pytest.mark.slow
+@pytest.mark.trials("multihost_control_trials", 60)
+def test_harness_control_orbax_agrees(hosts, trials, seed):
     """The positive control: Orbax's own CheckpointManager on the shared
     directory, (a) and (c) as above (no RAM tier: every step is on disk)."""
     h = hosts
@@ -447,9 +455,9 @@ def test_harness_control_orbax_agrees(hosts):
     res, reports = restore(h, system="orbax")
     step = assert_agree_exact(res, reports, "Orbax control restore")
     assert step == 7, summary(reports)
-    records = kill_trials(h, CONTROL_TRIALS, 2, 4, "orbax", SEED)
-    errors, disagree, inexact, table = judge(records, CONTROL_TRIALS)
-    assert len(records) == CONTROL_TRIALS and (errors, disagree, inexact) == (0, 0, 0), table
+    records = kill_trials(h, trials, 2, 4, "orbax", seed)
+    errors, disagree, inexact, table = judge(records, trials)
+    assert len(records) == trials and (errors, disagree, inexact) == (0, 0, 0), table
     steps = collections.Counter(r["steps"][0] for r in records)
     assert sum(n for s, n in steps.items() if s is not None) >= 1, table
 
@@ -482,6 +490,7 @@ mh.main(run, ctx)
 '''
 
 
+@pytest.mark.slow  # waits for the peer's timeout
 def test_a_peer_that_does_not_answer_is_named_not_a_hang(hosts):
     """Process 1 skips a collective call: process 0 raises AgreementError (a
     TimeoutError) naming process 1 and the call, after agreement_timeout_s."""

@@ -27,9 +27,9 @@ from resilient_ckpt import (
     RamTier,
 )
 from resilient_ckpt.native import crc32c
+from tests.support import effort
 
 
-@settings(max_examples=200, deadline=None)
 @given(a=st.binary(max_size=3000), b=st.binary(max_size=3000), seed=st.integers(0, 2**32 - 1))
 def test_combine_is_the_crc_of_the_concatenation(a, b, seed):
     assert crc32c.combine(google_crc32c.value(a), google_crc32c.value(b), len(b)) \
@@ -39,7 +39,7 @@ def test_combine_is_the_crc_of_the_concatenation(a, b, seed):
                           len(b)) == google_crc32c.extend(seed & 0xFFFFFFFF, a + b)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=effort.examples(100))
 @given(n=st.integers(0, 40_000), block=st.integers(1, 5000))
 def test_combined_block_crcs_are_the_crc_of_the_whole(n, block):
     buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
@@ -47,7 +47,7 @@ def test_combined_block_crcs_are_the_crc_of_the_whole(n, block):
     assert crc32c.combined(crcs, block, n) == google_crc32c.value(bytes(buf))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=effort.examples(60))
 @given(n=st.integers(1, 40_000), block=st.integers(1, 5000), flip=st.integers(0, 2**31),
        data=st.data())
 def test_bad_block_finds_the_first_block_that_does_not_match(n, block, flip, data):

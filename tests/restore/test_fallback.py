@@ -29,6 +29,7 @@ from resilient_ckpt import (
     RamTier,
     StepNotFoundError,
 )
+from tests.support import effort
 
 STEPS = (1, 2, 3)
 
@@ -51,7 +52,7 @@ def chunk_files(mngr, step):
     return out
 
 
-@settings(max_examples=12, deadline=None,
+@settings(max_examples=effort.examples(12), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_restore_latest_falls_back_past_corrupt_steps(mesh, data):

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
 from resilient_ckpt.core.sharding import index_to_box
 from resilient_ckpt.restore.assemble import ChunkReader, RestoreRecord, _read_boxes
+from tests.support import effort
 
 DEVICES = jax.devices()
 STEP = itertools.count()
@@ -62,7 +63,7 @@ def random_array(rng, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=effort.examples(25), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(save=layouts(), load=layouts(), dtype=st.sampled_from(DTYPES),
        mult=st.tuples(st.integers(1, 3), st.integers(1, 3)), seed=st.integers(0, 99),
