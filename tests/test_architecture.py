@@ -4,7 +4,8 @@ Each top-level package (or module) of resilient_ckpt has a floor in the
 table, and a module imports (at module level or lazily inside a function)
 only from its own package or from packages on lower floors. No import cycle
 exists between modules, in the package, in tests/ or in bench/; bench/
-never imports tests/.
+never imports tests/, and no test module imports another (shared helpers
+live in tests/support).
 """
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ def local_graph(folder: pathlib.Path) -> dict[str, set[str]]:
                 names = [mod] + [f"{mod}.{a.name}".strip(".") for a in node.names]
             else:
                 continue
+            # tests/ is imported as the package `tests` (from tests.support import x)
+            names = [n.removeprefix(folder.name + ".") for n in names]
             deps |= {n for n in names if n in files and n != name}
         out[name] = deps
     return out
@@ -149,6 +152,13 @@ def local_graph(folder: pathlib.Path) -> dict[str, set[str]]:
 def test_no_import_cycle_in_tests_or_bench():
     for folder in (ROOT / "tests", ROOT / "bench"):
         assert cycle(local_graph(folder)) == [], folder.name
+
+
+def test_test_modules_import_helpers_only_from_tests_support():
+    """A helper two test files share lives in tests/support, not in one of them."""
+    wrong = sorted(f"{name} imports {dep}" for name, deps in local_graph(ROOT / "tests").items()
+                   for dep in deps if dep.split(".")[-1].startswith("test_"))
+    assert wrong == []
 
 
 def test_bench_does_not_import_tests():

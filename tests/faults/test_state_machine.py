@@ -219,4 +219,5 @@ class CheckpointsLong(Checkpoints):
 
 CheckpointsLong.TestCase.settings = settings(
     max_examples=effort.examples(200), stateful_step_count=40, deadline=None)
-TestCheckpointsLong = pytest.mark.slow(CheckpointsLong.TestCase)
+# About 40 s at the default profile, ten times that at "thorough".
+TestCheckpointsLong = pytest.mark.timeout(1800)(pytest.mark.slow(CheckpointsLong.TestCase))
