@@ -77,7 +77,13 @@ def pytest_collection_modifyitems(config, items):
     """A test marked `trials(option, per_trial_s)` gets a timeout that grows
     with its size: per_trial_s for each of the option's trials, and never
     less than pytest-timeout's own (a budgeted run, size 0, gets 600 s)."""
-    base = float(config.getini("timeout") or 0)
+    try:
+        given = config.getoption("timeout", None)  # pytest-timeout's --timeout
+        base = float(config.getini("timeout") if given is None else given)
+    except ValueError:  # pytest-timeout is not installed: no timeouts at all
+        return
+    if base == 0:  # --timeout=0: none
+        return
     for item in items:
         m = item.get_closest_marker("trials")
         if m is None or item.get_closest_marker("timeout") is not None:
