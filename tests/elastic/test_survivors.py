@@ -152,7 +152,7 @@ def _manifests(path: str, step: int) -> list[str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs,devices,victim,stall", [
-    pytest.param(2, 4, 1, "step", id="2proc"),
+    pytest.param(2, 4, 1, "step", id="2proc", marks=pytest.mark.slow),
     pytest.param(4, 2, 2, "step", id="4proc", marks=pytest.mark.slow),
     pytest.param(4, 2, 1, "save", id="4proc-between-steps", marks=pytest.mark.slow)])
 def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
@@ -226,8 +226,7 @@ def test_a_second_loss_during_the_recovery_is_recovered_from_too(hosts):
         assert done["latest"] == total, why
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
+@pytest.mark.multiprocess  # the default run's survivors test: 2 processes, one lost
 def test_a_lone_survivor_restores_the_newest_step_from_its_own_ram(hosts):
     """One replica per process (mesh replica=2, data=2, model=2): the survivor's
     RAM tier holds the whole state of every step, so the job's newest save

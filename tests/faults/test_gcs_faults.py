@@ -30,9 +30,9 @@ from tests.support.gcs_state import complete_steps, equal, make_state
 RETRY = RetryPolicy(deadline_s=60, attempt_timeout_s=10, initial_s=0.01, max_delay_s=0.2)
 
 
-@pytest.mark.parametrize("with_ram,codec", [
-    pytest.param(True, "zstd", id="from_ram_zstd"),
-    pytest.param(False, "raw", id="from_snapshot_raw", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 20 saves, 10 s a case; test_gcs_fault_matrix.py has the quick ones
+@pytest.mark.parametrize("with_ram,codec", [(True, "zstd"), (False, "raw")],
+                         ids=["from_ram_zstd", "from_snapshot_raw"])
 def test_twenty_saves_and_restores_with_one_request_in_five_faulted(with_ram, codec):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     ram = tempfile.mkdtemp(dir="/dev/shm")
