@@ -290,13 +290,14 @@ def matrix_lines(results: dict, steps: int, nbytes: int) -> dict:
 
 # ---------------------------------------------------------------- (a) and (c): pytest
 
-def pytest_file(path: str, env: dict, timeout: float) -> dict:
-    """Runs one test file; counts from its JUnit XML, and the time it took."""
+def pytest_file(path: str, env: dict, timeout: float, args: tuple[str, ...] = ()) -> dict:
+    """Runs one test file (with pytest options `args`); counts from its JUnit
+    XML, and the time it took."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "junit.xml")
         t0 = time.monotonic()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path,
-               f"--junitxml={xml}"]
+               f"--junitxml={xml}", *args]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **env), timeout=timeout,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
