@@ -284,6 +284,7 @@ def test_gc_leaves_a_tier_a_live_writer_holds_alone(ckpt, mesh):
         assert any(n.startswith(".x.tmp") for n in os.listdir(ram / "3"))
 
 
+@pytest.mark.slow  # 4 commands, 13 s; export and import themselves: tests/cli/test_interop.py
 def test_export_and_import_on_the_command_line(ckpt, tmp_path, mesh):
     d, ram = ckpt
     dest = tmp_path / "orbax"
