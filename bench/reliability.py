@@ -1,9 +1,9 @@
 """Reliability: the project's fault campaigns in one run, and docs/reliability.md.
 
 (a) The SIGKILL campaign: test_kill.py (found under tests/) run by pytest with
-    RC_FAULT_TRIALS=N (kills at random times and at random points of every
-    phase: snapshot, chunk write, manifest commit, retention, GCS upload) and
-    RC_FAULT_REPORT, whose per-kind outcomes it reads back.
+    `-m slow --kill-campaign-trials=N` (kills at random times and at random
+    points of every phase: snapshot, chunk write, manifest commit, retention,
+    GCS upload) and `--kill-report=PATH`, whose per-kind outcomes it reads back.
 (b) The GCS fault matrix: fake-gcs-server behind the project's FaultProxy
     (429/503, connection resets before and after the server acted, truncated
     bodies) at 0% (each system's no-fault time), 5%, 20% and 50% of requests.
@@ -331,9 +331,9 @@ def kill_campaign(trials: int) -> dict:
         return {"file": "tests/test_kill.py", "missing": True}
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "kill.json")
-        run = pytest_file(path,
-                          {"RC_FAULT_TRIALS": str(trials), "RC_FAULT_REPORT": report},
-                          timeout=max(600.0, trials * 15.0))
+        run = pytest_file(path, {}, timeout=max(600.0, trials * 15.0),
+                          args=("-m", "slow", f"--kill-campaign-trials={trials}",
+                                f"--kill-report={report}"))
         if os.path.exists(report):
             with open(report) as f:
                 run["report"] = json.load(f)
@@ -343,7 +343,8 @@ def kill_campaign(trials: int) -> dict:
 
 
 def fault_files(timeout: float, long: bool) -> list[dict]:
-    """Runs the other fault test files; `long`: at their long-run sizes (RC_LONG=1)."""
+    """Runs the other fault test files, their slow cases included; `long`: at
+    their long-run sizes (the `thorough` Hypothesis profile)."""
     out = []
     for name in FAULT_FILES:
         path = find_test(name)
@@ -351,7 +352,8 @@ def fault_files(timeout: float, long: bool) -> list[dict]:
             out.append({"file": f"tests/{name}", "missing": True})
             log.warning("tests/%s does not exist (yet); skipped", name)
             continue
-        r = pytest_file(path, {"RC_LONG": "1"} if long else {}, timeout)
+        r = pytest_file(path, {}, timeout,
+                        args=("-m", "", *(["--hypothesis-profile=thorough"] if long else [])))
         out.append(r)
         emit({"bench": BENCH, "system": "resilient_ckpt", "case": f"tests_{name[:-3]}",
               **{k: v for k, v in r.items() if k != "tail"}})
@@ -409,7 +411,7 @@ def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
     if quick:
         lines += ["**A --quick run (a check that the script works, not the long run's "
                   "figures): the long run replaces this page.**", ""]
-    lines += [f"Produced by `{command}` on {time.strftime('%Y-%m-%d %H:%M %Z')}, load "
+    lines += [f"Produced by `{command}`, load "
               f"average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
               f"{os.cpu_count()} cores. Each row is one kind of trial; where the same "
               "trial runs on Orbax its figures are beside ours. See bench/reliability.py "

@@ -81,8 +81,8 @@ def settle(seconds: float = SETTLE_S) -> None:
     """`trim`, then a wait, so that a timed case does not start while what the
     case before left behind is still running: another system's background
     threads, the kernel's writeback and reclaim. It does not wait for the VM
-    to take freed memory back: 1 GB faulted in 0.64-0.81 s whether 4 GB had
-    been unmapped 0.2 s or 30 s before (docs/benchmarks.md, Dec 3 16:41)."""
+    to take freed memory back: faulting memory in took as long whether memory
+    had been unmapped a moment or half a minute before (docs/environment.md)."""
     trim()
     time.sleep(seconds)
 
