@@ -54,7 +54,7 @@ def assert_same(a, b):
     la, ta = jax.tree.flatten(a, is_leaf=lambda x: x is None)
     lb, tb = jax.tree.flatten(b, is_leaf=lambda x: x is None)
     assert ta == tb
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=False):
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             assert str(jax.random.key_impl(x)) == str(jax.random.key_impl(y))
             x, y = jax.random.key_data(x), jax.random.key_data(y)

@@ -12,9 +12,10 @@ from resilient_ckpt.core.sharding import box_to_slices, index_to_box
 
 def grid_chunks(shape, splits):
     """Chunks that tile `shape`, cut at the given split points per dimension."""
-    edges = [sorted({0, n, *[c for c in cuts if 0 < c < n]}) for n, cuts in zip(shape, splits)]
+    edges = [sorted({0, n, *[c for c in cuts if 0 < c < n]})
+             for n, cuts in zip(shape, splits, strict=False)]
     out = []
-    for cell in itertools.product(*[list(zip(e[:-1], e[1:])) for e in edges]):
+    for cell in itertools.product(*[list(zip(e[:-1], e[1:], strict=False)) for e in edges]):
         offs = tuple(a for a, _ in cell)
         sizes = tuple(b - a for a, b in cell)
         n = int(np.prod(sizes)) * 4

@@ -187,7 +187,8 @@ TABLE = [
                   "Connection reset by peer"), True, "multi-controller"),
     (lambda: ValueError("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/"
                         "pair.cc:538] Read error [127.0.0.1]:9101: Connection reset by peer"),
-     True, "multi-controller"),  # as jax 0.10.2 raised it (tests/elastic/test_elastic_multiprocess.py)
+     # as jax 0.10.2 raised it (tests/elastic/test_elastic_multiprocess.py)
+     True, "multi-controller"),
     (_process_failure, True, "multi-controller"),
     (lambda: failures.DeviceLossError([3, 4], "host 2 is gone"), True, "pathways"),
     (lambda: _named(RuntimeError("host 2 is gone"), [3, 4]), True, "named"),
