@@ -328,7 +328,7 @@ def kill_campaign(trials: int) -> dict:
     path = find_test("test_kill.py")
     if path is None:
         log.warning("no test_kill.py under tests/: the kill campaign is skipped")
-        return {"file": "tests/test_kill.py", "missing": True}
+        return {"file": "test_kill.py", "missing": True}
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "kill.json")
         run = pytest_file(path, {}, timeout=max(600.0, trials * 15.0),
@@ -415,7 +415,7 @@ def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
               f"average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
               f"{os.cpu_count()} cores. Each row is one kind of trial; where the same "
               "trial runs on Orbax its figures are beside ours. See bench/reliability.py "
-              "for what each trial does and tests/test_kill.py for the checks after each "
+              "for what each trial does and tests/faults/test_kill.py for the checks after each "
               "kill.", "",
               "| trial | how many | resilient_ckpt | Orbax |", "| --- | --- | --- | --- |"]
     for kind, k in kinds.items():

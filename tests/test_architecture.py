@@ -12,6 +12,11 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "resilient_ckpt"
@@ -186,3 +191,13 @@ def test_cycle_finder_finds_a_cycle():
     """The checker itself: a cycle planted in a graph is reported."""
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and not (pathlib.Path(sys.executable).parent
+                                                           / "ruff").exists(),
+                    reason="ruff is not installed")
+def test_no_module_reads_another_class_private_members():
+    ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
+    out = subprocess.run([ruff, "check", "--select", "SLF001", "--output-format", "concise",
+                          "resilient_ckpt"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr

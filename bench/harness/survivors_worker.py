@@ -49,7 +49,7 @@ def build(mesh):
     collective a data-parallel step's gradients need and a lost process fails."""
     c = copy.copy(ctx)
     c.mesh = mesh
-    mh._bind(c)  # noqa: SLF001 - mh (the package's worker library) binds no other way
+    mh.bind(c)
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     step = c.step_fn.lower(c.abstract(mesh), scalar).compile()
     n = mesh.shape["replica"]
@@ -73,7 +73,7 @@ mh.report({"event": "opened", "t": time.time(), "init_s": ctx.init_s})
 @el.run
 def train(mesh):
     ctx.mesh = mesh
-    mh._bind(ctx)  # noqa: SLF001 - shardings and abstract state on this mesh
+    mh.bind(ctx)  # shardings and abstract state on this mesh
     built_ahead = el.compiled(mesh)
     t0 = time.perf_counter()
     step = el.program(mesh)

@@ -16,7 +16,7 @@ copy and checksum is done; the waiting runs in a background thread, so `take`
 costs the training loop only the dispatch. Copies are dispatched before
 `take` returns, so a step that donates the state right after it cannot
 change them: jax runs a donating computation only after the reads already
-enqueued on its buffers (tests/test_host_snapshot.py checks it).
+enqueued on its buffers (tests/elastic/test_host_snapshot.py checks it).
 
 `restore` moves, for each target device, the source blocks its new box
 needs (whole: a block's checksum covers the whole block) from a surviving

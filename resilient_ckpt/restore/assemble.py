@@ -323,7 +323,7 @@ def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict) -> jax.Arr
     CPU backend each device's shard aliases its box's host buffer, several
     devices' the same one where a box is replicated, as jax's own device_put
     of a numpy array does: XLA never writes into memory it does not own (a
-    donated aliased shard gets a new buffer; tests/test_donation.py)."""
+    donated aliased shard gets a new buffer; tests/save/test_donation.py)."""
     # (jax annotates the index `Index | None`; it never passes None.)
     return jax.make_array_from_callback(
         shape, sharding, lambda index: host[index_to_box(index, shape)])  # type: ignore[arg-type]

@@ -656,7 +656,6 @@ def ours(ctx, ram_every=1, ram_keep=2, local_every=3, local_keep=2, ram=None, lo
                                 options=rc.CheckpointManagerOptions(tiers=tiers))
 
 
-_bind = bind  # its former name, which bench/harness still calls
 
 
 def orbax(ctx, every=1, keep=2, directory=None):
