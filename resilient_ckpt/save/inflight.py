@@ -73,6 +73,7 @@ class Flight:
     header: dict
     claim: StepClaim  # the step's claim (claim.py), shared by its tier jobs
     pins: dict[str, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+    sent: frozenset[str] = frozenset()  # the tiers it was sent to, done ones included
 
 
 class InFlight:
@@ -127,6 +128,7 @@ class InFlight:
         with self._lock:
             jobs = self._pending.setdefault(step, {})
             self._flights[step] = flight
+            flight.sent = frozenset(t.name for t in tiers)
             for t in tiers:
                 if feeds.get(t.name):
                     self._supersede(t.name, step)
@@ -232,6 +234,13 @@ class InFlight:
         """`step`'s queued or running jobs, by tier."""
         with self._lock:
             return dict(self._pending.get(step, {}))
+
+    def sent_to(self, step: int) -> frozenset[str]:
+        """The tiers `step` was sent to while any of them is still writing it
+        (empty once all are done, or for a step not in flight)."""
+        with self._lock:
+            flight = self._flights.get(step)
+            return flight.sent if flight is not None else frozenset()
 
     def all_jobs(self) -> list[cf.Future]:
         with self._lock:

@@ -244,9 +244,11 @@ class Saver:
         wait minutes for an upload on the recovery path)."""
         jobs = self._flying.jobs(step)
         futures = list(jobs.values())
-        if for_restore:
-            fast = [f for n, f in jobs.items() if not self.tier(n).storage.remote]
-            futures = fast or futures
+        fast = {n for n in self._flying.sent_to(step) if not self.tier(n).storage.remote}
+        if for_restore and fast:
+            # Only the fast tiers' writes still running: one that finished
+            # already is no reason to wait for the upload.
+            futures = [f for n, f in jobs.items() if n in fast]
         cf.wait(futures)
 
     def wait_for_restore(self, step: int | None, viable: Callable[[int], bool]) -> None:

@@ -25,6 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 
 import jax
@@ -159,7 +160,11 @@ def test_every_request_failing_fails_the_save_cleanly(gcs, dirs, mesh8):
         assert check_reader(url, tier, {0: s0, 2: s2}, {0, 2}) == {0, 2}
 
 
-def test_uploads_held_at_the_proxy_never_hold_the_training_thread(gcs, dirs, mesh8):
+@pytest.mark.parametrize("ram_done", [False, True], ids=["ram_running", "ram_done"])
+def test_uploads_held_at_the_proxy_never_hold_the_training_thread(gcs, dirs, mesh8, ram_done):
+    """A restore reads the RAM copy while the upload is held, whether the RAM
+    write is still running when the restore starts or done already (`ram_done`:
+    a finished fast write is no reason to wait for the upload)."""
     ram, local = dirs
     url = bucket_url(gcs)
     entered, release = threading.Event(), threading.Event()
@@ -183,6 +188,11 @@ def test_uploads_held_at_the_proxy_never_hold_the_training_thread(gcs, dirs, mes
                 assert m.save(step, args=ocp.args.StandardSave(state))  # returns: GCS is held
             assert entered.wait(60), "the upload never reached the proxy"
             assert "gcs" not in m.save_records[0].tiers  # still held there
+            if ram_done:
+                deadline = time.monotonic() + 60
+                while "ram" not in m.save_records[1].tiers and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert m.save_records[1].tiers["ram"].ok
             assert equal(m.restore(1), states[1])  # from RAM, the upload still held
             assert m.last_restore is not None
             assert m.is_saving_in_progress()
