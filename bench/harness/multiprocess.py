@@ -340,7 +340,6 @@ def measure_relaunch(a, nbytes: int) -> dict:
 
 def _env(a) -> dict:
     return {"JAX_ENABLE_RECOVERABILITY": "true",
-            "RC_HEARTBEAT_TIMEOUT_S": str(max(1, round(a.heartbeat_timeout_s))),
             "XLA_FLAGS": f"--xla_cpu_collective_timeout_seconds={a.collective_timeout_s:g}"}
 
 
@@ -358,6 +357,7 @@ def _run_in_process(a, nbytes: int, nprocs: int, victims: dict[int, int], steps:
         "--step-sleep", str(a.mc_step_s),
         "--victims", ",".join(f"{i}:{s}" for i, s in victims.items())],
         timeout_s=240 + steps * (a.mc_step_s + 0.2) + nbytes / 2e6, env=_env(a),
+        heartbeat_timeout_s=max(1, round(a.heartbeat_timeout_s)),
         workdir=os.path.join(work, "job"), fail_fast_s=30)
     killed: dict[int, float] = {}
     try:

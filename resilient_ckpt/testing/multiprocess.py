@@ -26,15 +26,15 @@ API (parent side, standard library only: nothing here imports jax):
 - `ProcResult`: `index`, `rc`, `stdout`, `stderr`, `results` (the JSON objects
   printed on lines "RESULT <json>"), `markers`, `killed` (by the test),
   `reaped` (killed by the harness after a peer failed), `timed_out`; `last()`.
-- Workers import the package from this checkout, or from the directory in
-  $RC_MULTIHOST_SRC (to run the same tests against another tree).
+- Workers import the package from the tree this module belongs to, or from
+  the directory given as `src=` (to run the same tests against another tree).
 
 Worker side (`mh.py`, importable by the worker script as `import mh`):
 
 - `ctx = mh.init(sys.argv)`: parses --port/--pid/--nprocs/--devices/--dir/--ram
   (and --state-bytes, --seed, --mesh); sets XLA_FLAGS and JAX_PLATFORMS before
   importing jax; calls `jax.distributed.initialize` when nprocs > 1 (heartbeat
-  timeout 20 s, or $RC_HEARTBEAT_TIMEOUT_S); builds
+  timeout: start_job's `heartbeat_timeout_s`, 20 s by default); builds
   `Mesh(np.array(jax.devices()).reshape(-1, 2), ("data", "model"))`. Unknown
   options are left in `ctx.extra` (a list) for the script's own parser.
 - `mh.report(obj)` prints `RESULT <json>`; `mh.mark(text)` prints a marker line.
@@ -297,11 +297,15 @@ def _script_path(script: str | os.PathLike, workdir: str) -> str:
 def start_job(script: str | os.PathLike, nprocs: int, devices_per_proc: int,
               args: Sequence[str] | Callable[[int], Sequence[str]] = (),
               timeout_s: float = 120, env: dict | None = None, workdir: str | None = None,
-              fail_fast_s: float = 10.0) -> Job:
+              fail_fast_s: float = 10.0, *, heartbeat_timeout_s: int = 20,
+              src: str | None = None) -> Job:
     """Starts the job and returns at once. `script`: the worker's text, or the
     path of a .py file. `args`: extra arguments for every process, or a
     function of the process index giving them. `env`: variables added to (or,
-    with value None, removed from) this process's environment."""
+    with value None, removed from) this process's environment.
+    `heartbeat_timeout_s`: jax.distributed's, after which the coordinator
+    declares a silent process lost. `src`: the directory the workers import
+    the package from (default: the tree of this module)."""
     remove = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="rc-mh-")
     os.makedirs(workdir, exist_ok=True)
@@ -311,8 +315,7 @@ def start_job(script: str | os.PathLike, nprocs: int, devices_per_proc: int,
     port = free_port()
     base = {k: v for k, v in os.environ.items()
             if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_CURRENT_TEST")}
-    # RC_MULTIHOST_SRC: another checkout of the package to run (e.g. a baseline).
-    src = os.environ.get("RC_MULTIHOST_SRC") or REPO
+    src = src or REPO  # or another checkout of the package to run (e.g. a baseline)
     base["PYTHONPATH"] = os.pathsep.join(
         [workdir, src] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     base["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_proc}"
@@ -329,7 +332,8 @@ def start_job(script: str | os.PathLike, nprocs: int, devices_per_proc: int,
         for i in range(nprocs):
             extra = list(args(i) if callable(args) else args)
             cmd = [sys.executable, path, "--port", str(port), "--pid", str(i),
-                   "--nprocs", str(nprocs), "--devices", str(devices_per_proc), *extra]
+                   "--nprocs", str(nprocs), "--devices", str(devices_per_proc),
+                   "--heartbeat-timeout-s", str(heartbeat_timeout_s), *extra]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True, env=base, cwd=workdir))
     except BaseException:
@@ -343,11 +347,12 @@ def start_job(script: str | os.PathLike, nprocs: int, devices_per_proc: int,
 def run_job(script: str | os.PathLike, nprocs: int, devices_per_proc: int,
             args: Sequence[str] | Callable[[int], Sequence[str]] = (),
             timeout_s: float = 120, env: dict | None = None, workdir: str | None = None,
-            fail_fast_s: float = 10.0, raise_on_timeout: bool = True) -> list[ProcResult]:
+            fail_fast_s: float = 10.0, raise_on_timeout: bool = True, *,
+            heartbeat_timeout_s: int = 20, src: str | None = None) -> list[ProcResult]:
     """Runs the job to its end (or its hard timeout) and returns each process's
     result, in process order."""
     job = start_job(script, nprocs, devices_per_proc, args, timeout_s, env, workdir,
-                    fail_fast_s)
+                    fail_fast_s, heartbeat_timeout_s=heartbeat_timeout_s, src=src)
     return job.collect(raise_on_timeout)
 
 
@@ -491,6 +496,8 @@ def init(argv=None):
     p.add_argument("--pid", type=int, default=0)
     p.add_argument("--nprocs", type=int, default=1)
     p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--heartbeat-timeout-s", type=int, default=20,
+                   help="jax.distributed's heartbeat timeout: a lost peer is noticed after it")
     p.add_argument("--dir", default=None, help="the shared directory")
     p.add_argument("--ram", default=None, help="this host's RAM-tier path ({pid} is replaced)")
     p.add_argument("--state-bytes", type=int, default=1 << 20)
@@ -510,8 +517,8 @@ def init(argv=None):
     if a.nprocs > 1:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
                                    num_processes=a.nprocs, process_id=a.pid,
-                                   initialization_timeout=60, heartbeat_timeout_seconds=int(
-                                       os.environ.get("RC_HEARTBEAT_TIMEOUT_S", "20")),
+                                   initialization_timeout=60,
+                                   heartbeat_timeout_seconds=a.heartbeat_timeout_s,
                                    shutdown_timeout_seconds=30)
     ctx = Ctx()
     ctx.args, ctx.extra = a, extra

@@ -115,15 +115,17 @@ main()
 '''
 
 
-def prepare(workdir: str) -> tuple[list[str], dict[str, str | None]]:
-    """Writes worker.py and mh.py into `workdir`; returns (argv, env) for the supervisor."""
+def prepare(workdir: str, src: str | None = None) -> tuple[list[str], dict[str, str | None]]:
+    """Writes worker.py and mh.py into `workdir`; returns (argv, env) for the
+    supervisor. `src`: the directory the workers import the package from
+    (default: the tree of this module)."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "mh.py"), "w") as f:
         f.write(WORKER_LIB)
     path = os.path.join(workdir, "worker.py")
     with open(path, "w") as f:
         f.write(WORKER)
-    src = os.environ.get("RC_MULTIHOST_SRC") or REPO
+    src = src or REPO
     env: dict[str, str | None] = {
         "PYTHONPATH": os.pathsep.join([workdir, src] + (
             [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),

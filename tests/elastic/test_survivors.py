@@ -206,7 +206,7 @@ def test_a_second_loss_during_the_recovery_is_recovered_from_too(hosts):
     job = start_job(WORKER, 4, 2, args=[
         "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", "2",
         "--die-at", str(die_at), "--total", str(total)],
-        timeout_s=150, env={**ENV, "RC_HEARTBEAT_TIMEOUT_S": "5"}, fail_fast_s=30)
+        timeout_s=150, env=ENV, heartbeat_timeout_s=5, fail_fast_s=30)
     job.kill_after(2, 0.5, after="dying")
     job.kill_after(1, 0.0, after="recovering 1")
     results = job.collect()
@@ -236,7 +236,7 @@ def test_a_lone_survivor_restores_the_newest_step_from_its_own_ram(hosts):
     job = start_job(WORKER, 2, 4, args=[
         "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", "1", "--die-at", str(die_at),
         "--total", str(total), "--mesh", "2,2,2", "--axis", "replica"],
-        timeout_s=110, env={**ENV, "RC_HEARTBEAT_TIMEOUT_S": "5"}, fail_fast_s=20)
+        timeout_s=110, env=ENV, heartbeat_timeout_s=5, fail_fast_s=20)
     job.kill_after(1, 0.5, after="dying")
     results = job.collect()
     why = describe(results)
