@@ -1,5 +1,9 @@
-"""The `resilient-ckpt` command, run as installed in a subprocess, on
-directories a real CheckpointManager wrote, with real defects."""
+"""The `resilient-ckpt` command on directories a real CheckpointManager
+wrote, with real defects: through its `main` in this process (no interpreter
+and jax start per command), and as the installed console script in a
+subprocess where a test says so (`installed=True`, or an environment)."""
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -13,22 +17,33 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, GcsTier, LocalTier, RamTier
+from resilient_ckpt.cli.main import main
 from resilient_ckpt.core import layout
 from resilient_ckpt.save.tierrecord import RECORD_NAME
 
 BIN = pathlib.Path(sys.executable).with_name("resilient-ckpt")
 
 
-def run(*args, code=0, env=None):
-    cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "resilient_ckpt.cli.main"]
-    p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, **(env or {})))
+def run(*args, code=0, env=None, installed=False):
+    argv = [str(a) for a in args]
+    if installed or env:
+        cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "resilient_ckpt.cli.main"]
+        p = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, **(env or {})))
+    else:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse's refusals
+                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        p = subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
     assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
     return p
 
 
-def js(*args, code=0, env=None):
-    return json.loads(run(*args, "--json", code=code, env=env).stdout)
+def js(*args, code=0, env=None, installed=False):
+    return json.loads(run(*args, "--json", code=code, env=env, installed=installed).stdout)
 
 
 def state(mesh, seed):
@@ -66,7 +81,7 @@ def test_the_tiers_are_recorded_at_the_root(ckpt):
 
 def test_ls_shows_every_step_in_every_tier(ckpt):
     d, _ = ckpt
-    out = js("ls", d)
+    out = js("ls", d, installed=True)  # the console script, as installed, in a process of its own
     assert [s["step"] for s in out["steps"]] == [3, 2, 1]
     for s in out["steps"]:
         assert s["viable"] and s["reason"] is None
