@@ -39,16 +39,25 @@ _ROOT = "resilient_ckpt"
 class Peers:
     """This process's place in the job, and `exchange` among all of it."""
 
-    def __init__(self, directory: str, timeout_s: float = 600.0):
-        self.index, self.count = jax.process_index(), jax.process_count()
+    def __init__(self, directory: str, timeout_s: float = 600.0, *,
+                 job: tuple[Any, int, int] | None = None):
+        """`job`: (client, index, count) of a simulated job (a
+        `testing.kvservice` client); default: jax.distributed's."""
+        if job is None:
+            self.index, self.count = jax.process_index(), jax.process_count()
+        else:
+            self.index, self.count = job[1], job[2]
         self.live: tuple[int, ...] = tuple(range(self.count))  # jax indices, ascending
         self.timeout_s = timeout_s
         self._client: Any = None
         self._round = 0
         self.token = "solo"  # names this manager's keys (and probe files) in the job
         if self.count > 1:
-            from jax._src import distributed
-            self._client = distributed.global_state.client
+            if job is not None:
+                self._client = job[0]
+            else:
+                from jax._src import distributed
+                self._client = distributed.global_state.client
             if self._client is None:
                 raise AgreementError(
                     f"{self.count} processes but no jax.distributed client: call "
