@@ -10,6 +10,9 @@
   jax.distributed job on 127.0.0.1 (simulated hosts), with hard timeouts and
   kills by pid; a worker-side library with a state whose every value after
   step s is known exactly.
+- `kvservice`: `KeyValueService`, an in-process stand-in for
+  jax.distributed's coordination service (threads as processes) that counts
+  the requests and bytes an agreement protocol makes of it.
 - `relaunch`: the training script a `Supervisor` relaunches, on that state.
 - `storage_contract`: `StorageContract`, the Storage interface's promises as
   a pytest suite a backend or wrapper subclasses (needs pytest).
@@ -22,7 +25,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["fake_gcs", "gcs_proxy", "faults", "multiprocess", "relaunch", "storage_contract"]
+__all__ = ["fake_gcs", "gcs_proxy", "faults", "multiprocess", "kvservice", "relaunch",
+           "storage_contract"]
 
 
 def __getattr__(name: str):
