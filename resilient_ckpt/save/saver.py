@@ -243,13 +243,12 @@ class Saver:
         ones when there are any (a restore reads the fastest copy: it need not
         wait minutes for an upload on the recovery path)."""
         jobs = self._flying.jobs(step)
-        futures = list(jobs.values())
-        fast = {n for n in self._flying.sent_to(step) if not self.tier(n).storage.remote}
-        if for_restore and fast:
+        if for_restore and (fast := {n for n in self._flying.sent_to(step)
+                                     if not self.tier(n).storage.remote}):
             # Only the fast tiers' writes still running: one that finished
             # already is no reason to wait for the upload.
-            futures = [f for n, f in jobs.items() if n in fast]
-        cf.wait(futures)
+            jobs = {n: f for n, f in jobs.items() if n in fast}
+        cf.wait(list(jobs.values()))
 
     def wait_for_restore(self, step: int | None, viable: Callable[[int], bool]) -> None:
         """Waits for what a restore of `step` (None: the newest) may read: the
