@@ -47,6 +47,9 @@ class Peers:
             self.index, self.count = jax.process_index(), jax.process_count()
         else:
             self.index, self.count = job[1], job[2]
+            if not 0 <= self.index < self.count:
+                raise ValueError(f"simulated process {self.index} is not in a job of "
+                                 f"{self.count}")
         self.live: tuple[int, ...] = tuple(range(self.count))  # jax indices, ascending
         self.timeout_s = timeout_s
         self._client: Any = None

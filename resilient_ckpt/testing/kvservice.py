@@ -24,6 +24,9 @@ class KeyValueService:
     """The keys, barriers and counters of one simulated job (see the module docstring)."""
 
     def __init__(self, count: int, service_s: float = 0.0, per_byte_s: float = 0.0):
+        if count < 1 or service_s < 0 or per_byte_s < 0:
+            raise ValueError(f"a job of {count} processes at {service_s} s a request and "
+                             f"{per_byte_s} s a byte: give at least 1 process and costs >= 0")
         self.count = count
         self.service_s, self.per_byte_s = service_s, per_byte_s
         self._cond = threading.Condition()

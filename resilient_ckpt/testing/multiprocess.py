@@ -306,6 +306,9 @@ def start_job(script: str | os.PathLike, nprocs: int, devices_per_proc: int,
     `heartbeat_timeout_s`: jax.distributed's, after which the coordinator
     declares a silent process lost. `src`: the directory the workers import
     the package from (default: the tree of this module)."""
+    if heartbeat_timeout_s < 1:
+        raise ValueError(f"heartbeat_timeout_s must be at least 1 (seconds, whole), "
+                         f"not {heartbeat_timeout_s}")
     remove = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="rc-mh-")
     os.makedirs(workdir, exist_ok=True)

@@ -75,3 +75,53 @@ def test_a_silent_process_is_named_not_a_hang():
 def test_a_simulated_process_out_of_range_is_refused():
     with pytest.raises(ValueError, match="process 4 is not in a job of 4"):
         KeyValueService(4).client(4)
+
+
+# ------------------------------------------------------------ hostile inputs
+
+
+@pytest.mark.parametrize("count,service_s,per_byte_s", [(0, 0, 0), (-3, 0, 0), (2, -1, 0),
+                                                        (2, 0, -1e-9)])
+def test_a_job_of_no_process_or_a_negative_cost_is_refused(count, service_s, per_byte_s):
+    with pytest.raises(ValueError, match="at least 1 process and costs >= 0"):
+        KeyValueService(count, service_s, per_byte_s)
+
+
+@pytest.mark.parametrize("index", [-1, 3, 10**9])
+def test_a_simulated_process_outside_the_job_is_refused(index):
+    with pytest.raises(ValueError, match=f"process {index} is not in a job of 3"):
+        KeyValueService(3).client(index)
+    client = KeyValueService(5).client(0)
+    with pytest.raises(ValueError, match=f"simulated process {index} is not in a job of 3"):
+        Peers("/ckpt", 1.0, job=(client, index, 3))
+
+
+def test_keys_behave_as_the_coordination_service_s():
+    """A key set twice is refused (nothing overwritten), a missing key or
+    process times out naming it, and deleting a key takes the keys under it
+    as a directory, never a sibling that merely shares its prefix."""
+    c = KeyValueService(2).client(0)
+    c.key_value_set("x/1", "a")
+    with pytest.raises(RuntimeError, match="ALREADY_EXISTS: key x/1"):
+        c.key_value_set("x/1", "b")
+    assert c.blocking_key_value_get("x/1", 100) == "a"
+    c.key_value_set("x/1", "b", allow_overwrite=True)
+    assert c.blocking_key_value_get("x/1", 100) == "b"
+    with pytest.raises(TimeoutError, match="key nowhere not set"):
+        c.blocking_key_value_get("nowhere", 50)
+    with pytest.raises(TimeoutError, match=r"processes \[1\] did not arrive"):
+        c.wait_at_barrier("b", 50)
+    for k in ("x/1/a", "x/10", "x/1b"):
+        c.key_value_set(k, "v")
+    c.key_value_delete("x/1")
+    assert [k for k, _ in c.key_value_dir_get("x/")] == ["x/10", "x/1b"]
+    assert c.key_value_increment("n", 2) == 2 and c.key_value_increment("n", -5) == -3
+
+
+def test_a_non_positive_heartbeat_is_refused_before_any_process_starts(tmp_path):
+    from resilient_ckpt.testing.multiprocess import start_job
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="heartbeat_timeout_s must be at least 1"):
+            start_job("print('never')\n", 2, 1, heartbeat_timeout_s=bad,
+                      workdir=str(tmp_path / "job"))
+    assert not (tmp_path / "job").exists()  # nothing written, nothing started
