@@ -453,8 +453,23 @@ def write_doc(path: str, command: str, quick: bool, kill: dict, rows: dict,
         lines.append("")
     lines += ["Goals met or not: the `goals_met` of the summary line the script prints "
               "last.", ""]
+    kept = kept_sections(path)  # read before the page is rewritten
     with open(path, "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines) + kept)
+
+
+KEPT = "\n## Threat model"  # written by hand below the measured part; a run keeps it
+
+
+def kept_sections(path: str) -> str:
+    """What of the page `path` a run does not write: from its threat model on."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    at = text.find(KEPT)
+    return text[at:] if at >= 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:

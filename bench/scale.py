@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from harness.options import bench_parser, parse_options, prepare
+from harness.options import at_least, bench_parser, parse_options, prepare
 from harness.report import emit, emit_summary
 
 prepare(1)
@@ -131,8 +131,8 @@ def one_job(n: int, keep: int, service_s: float, per_byte_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = bench_parser(__doc__, sizes=None)
-    p.add_argument("--keep", type=int, default=3, help="steps each tier keeps")
-    p.add_argument("--simulate-max", type=int, default=None,
+    p.add_argument("--keep", type=at_least(1), default=3, help="steps each tier keeps")
+    p.add_argument("--simulate-max", type=at_least(8), default=None,
                    help="the largest N simulated with threads (default 256; --quick 32)")
     a = parse_options(p, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -80,14 +80,18 @@ def size_option(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _repeats_option(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--repeats takes a whole number, not {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--repeats must be at least 1, not {n}")
-    return n
+def at_least(low: int):
+    """An argparse type: a whole number of at least `low` (else a usage error
+    that argparse prefixes with the option's name)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a whole number, not {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {n}")
+        return n
+    return parse
 
 
 # ---------------------------------------------------------------- options
@@ -115,7 +119,7 @@ def bench_parser(doc: str, *, sizes: str | None, quick_sizes: str | None = None,
                    help=f"state sizes, commas or spaces between, e.g. 256MB,1.5GB,4e9 "
                         f"(default {sizes})" if sizes else
                    "ignored: this bench takes no state sizes (run_all.py passes it)")
-    p.add_argument("--repeats", type=_repeats_option, default=None,
+    p.add_argument("--repeats", type=at_least(1), default=None,
                    help=f"repeats of each case (default {repeats}; --quick {quick_repeats})")
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw the medians into this PNG (needs matplotlib: the "
