@@ -116,6 +116,24 @@ def ram_path():
     shutil.rmtree(p, ignore_errors=True)
 
 
+@pytest.fixture
+def hosts(tmp_path):
+    """Simulated hosts of a multi-process job: "ram", each process's RAM-tier
+    path (<shm>/ram{pid}, {pid} replaced by the worker; "ram_of"(i) for process
+    i; made by the tier), under "base"; "dir", a directory every process shares;
+    "work", the test's own directory."""
+    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                            prefix="rc-hosts-")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    try:
+        yield {"ram": os.path.join(base, "ram{pid}"),
+               "ram_of": lambda i: os.path.join(base, f"ram{i}"),
+               "dir": str(shared), "base": base, "work": str(tmp_path)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def gcs():
     """The bundled fake-gcs-server, started for a module and stopped after it."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -146,19 +145,6 @@ def test_jobenv_reads_the_contract_whole_or_not_at_all():
 
 
 # ---------------------------------------------------------------- relaunch of a real job
-
-@pytest.fixture
-def hosts(tmp_path):
-    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
-                            prefix="rc-relaunch-")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    try:
-        yield {"ram": os.path.join(base, "ram{pid}"), "dir": str(shared),
-               "ram_of": lambda i: os.path.join(base, f"ram{i}"), "work": str(tmp_path)}
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
 
 def _logs(sup: Supervisor) -> str:
     out = []

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -131,18 +129,6 @@ os._exit(0)
 
 ENV = {"JAX_ENABLE_RECOVERABILITY": "true",
        "XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"}
-
-
-@pytest.fixture
-def hosts(tmp_path):
-    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
-                            prefix="rc-survivors-")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    try:
-        yield {"ram": os.path.join(base, "ram{pid}"), "dir": str(shared)}
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _manifests(path: str, step: int) -> list[str]:

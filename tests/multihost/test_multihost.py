@@ -25,7 +25,6 @@ import collections
 import os
 import random
 import shutil
-import tempfile
 import time
 
 import pytest
@@ -142,20 +141,6 @@ time.sleep(600)
 
 
 # ---------------------------------------------------------------- helpers
-
-@pytest.fixture
-def hosts(tmp_path):
-    """Per-host RAM directories (<shm>/ram<pid>, made by the tier) and a shared dir."""
-    base = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
-                            prefix="rc-mh-")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    try:
-        yield {"ram": os.path.join(base, "ram{pid}"), "ram_of": lambda i: os.path.join(
-            base, f"ram{i}"), "dir": str(shared), "base": base}
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
 
 def common(h):
     return ["--dir", h["dir"], "--ram", h["ram"]]
