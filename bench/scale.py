@@ -1,41 +1,62 @@
 """Agreement at scale: what one agreement between N processes costs the
 coordinator and each process, simulated for N far beyond the processes this
-machine can start.
+machine can start, and a real job of up to 32 processes beside Orbax.
 
-N threads each run the real agreement code (`multihost.agree.Peers.exchange`,
-then the decision every process takes from the views, `catalog.JobView`)
-against `resilient_ckpt.testing.kvservice`, an in-process stand-in for
-jax.distributed's coordination service that counts every request and byte and
-serves requests one at a time with a per-request and a per-byte cost. Those
-two costs are measured first on the real coordination service of this
-machine (a one-process jax.distributed job, in a subprocess: timed
-key_value_set + blocking_key_value_get pairs of a small and of a large value).
-That is one client's round trip, served one at a time: an upper bound on the
-coordinator's time per request when many clients ask at once (its gRPC
-server overlaps them), so the modeled latencies are upper bounds too.
+Part 1, the coordination service of this machine (`measure_service`): a
+two-process jax.distributed job in subprocesses; process 1 makes timed
+key_value_set + blocking_key_value_get pairs of a small and of a large value
+while process 0, which hosts the service, only waits. Process 0's CPU time
+over the requests is the coordinator's time per request and per byte
+(`service_s`, `per_byte_s`); process 1's round trip beyond it is `rtt_s`.
 
-Each process's view is sized like a real one (`catalog._reported`): `--keep`
-steps in a RAM tier and a local tier of its own (its own share of each) and a
-shared GCS tier (its own share; process 0 reports every process's share it
-sees there).
+Part 2, the simulator: N threads each run the real agreement code
+(`multihost.agree.Peers.decide` with the job's rule, `catalog.JobView`)
+against `resilient_ckpt.testing.kvservice`, an in-process stand-in for the
+coordination service that counts every request and byte and serves requests
+one at a time at the measured costs (one coordinator core: an upper bound,
+since the real service's gRPC server serves requests on several threads).
+Both protocols run on the same views in the same run: "all-to-all" (the
+reference) and "gather" (the default). Each process's view is sized like a
+real one (`catalog._reported`): `--keep` steps in a RAM tier and a local tier
+of its own and a shared GCS tier (process 0 reports every process's share it
+sees there). Per N (threads up to --simulate-max): requests and bytes per
+agreement, the wall time of one agreement, each process's CPU in it (mean,
+and the deciding leader's), and whether every process decided the same.
+Beyond that N, requests and bytes follow the counted growth (all-to-all:
+N(N+2) requests, bytes by N^2; gather: requests and bytes by N, from the
+largest simulated N) and the latency the model
 
-Per N (simulated with threads up to --simulate-max): the coordinator's
-requests and bytes per agreement, the wall time of one agreement under the
-service model, and each process's CPU in it (exchange + decision). Beyond
-that N, requests and bytes follow from the counted formula (requests
-n*(n+2) per agreement, bytes per N^2 from the largest simulated N) and the
-latency from the service model; those lines say `"modeled": true`.
+    requests x service_s + bytes x per_byte_s       (the coordinator, serial)
+    + sequential requests on the critical path x rtt_s
+    + the deciding CPU (per view, from the largest simulated N, x N)
 
-    python bench/scale.py                 # N = 16 ... 256 simulated, to 4,096 modeled
-    python bench/scale.py --quick         # N = 8, 16, 32 simulated
+which the simulated lines also print (`model_s`) to check it against their
+measured wall. A save adds one agreement (its views); a restore three (one
+with views, two of a few bytes: who reads the step, then each process's
+outcome).
+
+Part 3, the real job (`--job`, default 2,4,8,16,32 processes; --quick 2,4,8):
+N jax.distributed processes of one CPU device each on a tiny sharded state
+(harness/scale_worker.py): a RAM tier per process and a shared local tier,
+every step due, 10 saves and wait_until_finished; opening a manager; a
+restore of the newest step in a fresh manager. Beside it, the same job with
+Orbax's CheckpointManager on the shared directory (every step, keep 2).
+Each phase is the slowest process's time from a barrier to its own end.
+
+    python bench/scale.py                 # everything
+    python bench/scale.py --quick         # N = 8, 16, 32 simulated; jobs of 2, 4, 8
+    python bench/scale.py --job none      # the simulator only
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -45,43 +66,68 @@ from harness.report import emit, emit_summary
 prepare(1)
 
 from resilient_ckpt.catalog.catalog import JobView  # noqa: E402
-from resilient_ckpt.multihost.agree import Peers  # noqa: E402
+from resilient_ckpt.multihost.agree import _FAN_IN, PROTOCOLS, Peers  # noqa: E402
 from resilient_ckpt.testing.kvservice import KeyValueService  # noqa: E402
-from resilient_ckpt.testing.multiprocess import free_port  # noqa: E402
+from resilient_ckpt.testing.multiprocess import describe, free_port, run_job  # noqa: E402
 
 BENCH = "scale"
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "harness", "scale_worker.py")
 log = logging.getLogger("bench.scale")
 
 PROBE = r"""
-import json, sys, time
+import json, resource, sys, time
 import jax
-jax.distributed.initialize(coordinator_address="127.0.0.1:%d", num_processes=1, process_id=0)
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid)
 from jax._src import distributed
 c = distributed.global_state.client
 out = {}
-for name, size, n in (("small", 200, 2000), ("large", 200_000, 200)):
-    v = "x" * size
-    t0 = time.perf_counter()
-    for i in range(n):
-        c.key_value_set(f"probe/{name}/{i}", v)
-        c.blocking_key_value_get(f"probe/{name}/{i}", 10_000)
-    out[name] = (time.perf_counter() - t0) / (2 * n)
-print(json.dumps(out))
+for name, size, n in (("small", 200, 3000), ("large", 200_000, 300)):
+    c.wait_at_barrier(f"go/{name}", 60_000)
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    if pid == 1:
+        v = "x" * size
+        for i in range(n):
+            c.key_value_set(f"probe/{name}/{i}", v)
+            c.blocking_key_value_get(f"probe/{name}/{i}", 10_000)
+    c.wait_at_barrier(f"done/{name}", 600_000)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    out[name] = {"cpu": cpu / (2 * n), "wall": (t1 - t0) / (2 * n)}
+print("PROBE " + json.dumps(out), flush=True)
 jax.distributed.shutdown()
 """
 
 
-def measure_service() -> tuple[float, float]:
-    """(seconds per request, seconds per byte) of this machine's real
-    coordination service, over loopback."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-c", PROBE % free_port()], capture_output=True,
-                       text=True, timeout=300, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"the coordination-service probe failed: {p.stderr[-2000:]}")
-    t = json.loads(p.stdout.strip().splitlines()[-1])
-    per_byte = max(0.0, (t["large"] - t["small"]) / (200_000 - 200))
-    return t["small"] - 200 * per_byte, per_byte
+def measure_service() -> dict:
+    """This machine's coordination service: seconds of its CPU per request and
+    per byte, and the rest of a client's round trip (see the docstring)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(i), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        if p.returncode != 0:
+            raise RuntimeError(f"the coordination-service probe failed: {err[-2000:]}")
+        outs.append(json.loads(out.split("PROBE ", 1)[1].splitlines()[0]))
+    server, client = outs
+    size = 200_000 - 200
+    per_byte = max(0.0, (server["large"]["cpu"] - server["small"]["cpu"]) / size)
+    service = max(0.0, server["small"]["cpu"] - 200 * per_byte)
+    wire = max(0.0, (client["large"]["wall"] - client["small"]["wall"]) / size - per_byte)
+    return {"service_s": service, "per_byte_s": per_byte,
+            "rtt_s": max(0.0, client["small"]["wall"] - service - 200 * (per_byte + wire)),
+            "client_round_trip_s": client["small"]["wall"]}
 
 
 def view_of(index: int, n: int, keep: int) -> dict:
@@ -93,25 +139,28 @@ def view_of(index: int, n: int, keep: int) -> dict:
         sid = f"{step:032x}"
         shares += [[step, sid, index, n, "ram", 1.7e9], [step, sid, index, n, "local", 1.7e9]]
         shares += [[step, sid, q, n, "gcs", 1.7e9] for q in (range(n) if index == 0 else [index])]
-    return {"shares": shares, "pending": [], "errors": [], "orbax": []}
+    return {"shares": shares, "pending": [], "errors": [], "orbax": [],
+            "save_id": f"{index:032x}", "in_use": None}
 
 
-def one_job(n: int, keep: int, service_s: float, per_byte_s: float) -> dict:
-    """Opens n simulated processes, then one agreement; its costs."""
+def one_agreement(n: int, keep: int, protocol: str, costs: dict) -> dict:
+    """Opens n simulated processes, then one save's agreement; its costs."""
     service = KeyValueService(n)
-    peers = [Peers("/ckpt", 600.0, job=(service.client(i), i, n)) for i in range(n)]
-    service.service_s, service.per_byte_s = service_s, per_byte_s
+    peers = [Peers("/ckpt", 600.0, job=(service.client(i), i, n), protocol=protocol)
+             for i in range(n)]
+    service.service_s, service.per_byte_s = costs["service_s"], costs["per_byte_s"]
+    service.rtt_s = costs["rtt_s"]
     service.reset_counts()
     cpu = [0.0] * n
     decided: list = [None] * n
+    views = [view_of(i, n, keep) for i in range(n)]
     start = threading.Barrier(n + 1)
 
     def agree(i: int) -> None:
-        view = view_of(i, n, keep)
         start.wait()
         c0 = time.thread_time()
-        views = peers[i].exchange("save", view)
-        decided[i] = sorted(JobView(views).steps)
+        d = peers[i].decide("save", views[i], lambda vs: JobView.decided(vs).to_json())
+        decided[i] = JobView.from_json(d).to_json()
         cpu[i] = time.thread_time() - c0
 
     threads = [threading.Thread(target=agree, args=(i,)) for i in range(n)]
@@ -122,11 +171,121 @@ def one_job(n: int, keep: int, service_s: float, per_byte_s: float) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if any(d != decided[0] for d in decided):
-        raise AssertionError(f"the processes of a job of {n} decided differently")
     requests, nbytes = service.totals()
     return {"requests": requests, "bytes": nbytes, "wall_s": wall,
-            "cpu_per_process_s": sum(cpu) / n, "view_bytes": len(json.dumps(view_of(0, n, keep)))}
+            "cpu_per_process_s": sum(cpu) / n, "cpu_max_s": max(cpu),
+            "view_bytes": len(json.dumps(views[1])),
+            "same_everywhere": all(d == decided[0] for d in decided), "decision": decided[0]}
+
+
+def critical_requests(protocol: str, n: int) -> int:
+    """Requests one after another on the slowest path of one agreement."""
+    if protocol == "all-to-all":
+        return n + 2  # set, n - 1 gets, barrier, delete
+    return 3 + math.ceil((n - 1) / _FAN_IN)  # set, (leader) waits, decision, get
+
+
+def model_s(protocol: str, n: int, requests: float, nbytes: float, cpu_per_view: float,
+            costs: dict) -> float:
+    return (requests * costs["service_s"] + nbytes * costs["per_byte_s"]
+            + critical_requests(protocol, n) * costs["rtt_s"] + cpu_per_view * n)
+
+
+def simulate(a, costs: dict) -> dict:
+    top = a.simulate_max or (32 if a.quick else 256)
+    simulated = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= top
+                 and (n >= 16 or a.quick)]
+    summary: dict = {}
+    small = dict(costs)
+    for protocol in PROTOCOLS:
+        fit: dict = {}
+        for n in simulated:
+            r = one_agreement(n, a.keep, protocol, costs)
+            same = r.pop("same_everywhere")
+            summary.setdefault(f"decisions_differ_{n}", False)
+            if r.pop("decision") != one_agreement(n, a.keep, "all-to-all", _free())["decision"]:
+                summary[f"decisions_differ_{n}"] = True
+            per_view = r["cpu_max_s"] / n
+            fit = {"requests": r["requests"], "bytes": r["bytes"], "n": n, "per_view": per_view}
+            emit({"bench": BENCH, "system": "resilient_ckpt", "case": protocol, "processes": n,
+                  "modeled": False, "same_everywhere": same, **r,
+                  "model_s": model_s(protocol, n, r["requests"], r["bytes"], per_view, costs)})
+        for n in (1024, 4096):
+            grow = (n / fit["n"]) ** (2 if protocol == "all-to-all" else 1)
+            requests, nbytes = fit["requests"] * grow, fit["bytes"] * grow
+            save = model_s(protocol, n, requests, nbytes, fit["per_view"], costs)
+            # A restore: one agreement with views, two of a few bytes each.
+            tiny = model_s(protocol, n, requests, 64 * requests, 0.0, small)
+            emit({"bench": BENCH, "system": "resilient_ckpt", "case": protocol,
+                  "processes": n, "modeled": True, "requests": int(requests),
+                  "bytes": int(nbytes), "save_agreement_s": save,
+                  "restore_agreements_s": save + 2 * tiny})
+            key = "all_to_all" if protocol == "all-to-all" else protocol
+            summary[f"{key}_requests_over_3n_at_{n}"] = requests / (3 * n)
+            summary[f"{key}_bytes_per_process_at_{n}"] = nbytes / n
+            summary[f"{key}_save_agreement_s_at_{n}"] = save
+            summary[f"{key}_restore_agreements_s_at_{n}"] = save + 2 * tiny
+    summary["decisions_differ"] = any(v for k, v in summary.items()
+                                      if k.startswith("decisions_differ_"))
+    for k in [k for k in summary if k.startswith("decisions_differ_")]:
+        del summary[k]
+    return summary
+
+
+def _free() -> dict:
+    return {"service_s": 0.0, "per_byte_s": 0.0, "rtt_s": 0.0}
+
+
+# ------------------------------------------------------------ the real job
+
+def job_phases(system: str, n: int, saves: int, root: str) -> dict:
+    """The slowest process's time in each phase of one real job of n processes."""
+    shared = os.path.join(root, f"{system}-{n}")
+    ram = os.path.join("/dev/shm", f"rc-scale-{os.getpid()}-{n}", "ram{pid}")
+    try:
+        results = run_job(WORKER, n, 1, args=["--dir", shared, "--ram", ram, "--system", system,
+                                              "--saves", str(saves), "--state-bytes", "65536"],
+                          timeout_s=120 + 20 * n, heartbeat_timeout_s=60)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(ram), ignore_errors=True)
+    reports = [r.last() for r in results]
+    if not all(r is not None and "error" not in r for r in reports):
+        raise RuntimeError(f"the {system} job of {n} failed: {describe(results)}")
+    out = {k: max(r[k] for r in reports) for k in ("open_s", "saves_s", "reopen_s", "restore_s")}
+    out["mismatches"] = sum(r["mismatches"] for r in reports)
+    return out
+
+
+def real_jobs(a, counts: list[int]) -> dict:
+    summary: dict = {}
+    root = tempfile.mkdtemp(prefix="rc-scale-")
+    try:
+        for n in counts:
+            got = {}
+            for system in ("resilient_ckpt", "orbax"):
+                log.info("a real job of %d processes, %s", n, system)
+                got[system] = job_phases(system, n, a.saves, root)
+                emit({"bench": BENCH, "system": system, "case": "job", "processes": n,
+                      "saves": a.saves, **got[system]})
+            ours, orbax = got["resilient_ckpt"], got["orbax"]
+            summary[f"saves_vs_orbax_{n}"] = ours["saves_s"] / orbax["saves_s"]
+            summary[f"open_vs_orbax_{n}"] = ours["open_s"] / orbax["open_s"]
+            summary[f"restore_vs_orbax_{n}"] = ((ours["reopen_s"] + ours["restore_s"])
+                                                / (orbax["reopen_s"] + orbax["restore_s"]))
+            summary[f"mismatches_{n}"] = ours["mismatches"] + orbax["mismatches"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return summary
+
+
+def _counts(text: str) -> list[int]:
+    if text == "none":
+        return []
+    out = [int(x) for x in text.split(",") if x]
+    if any(n < 2 or n > 64 for n in out):
+        raise ValueError(f"--job {text}: give process counts from 2 to 64, or none")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,32 +293,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep", type=at_least(1), default=3, help="steps each tier keeps")
     p.add_argument("--simulate-max", type=at_least(8), default=None,
                    help="the largest N simulated with threads (default 256; --quick 32)")
+    p.add_argument("--job", type=_counts, default=None, metavar="N,N,...",
+                   help="process counts of the real job (default 2,4,8,16,32; --quick "
+                        "2,4,8; none: skip it)")
+    p.add_argument("--saves", type=at_least(1), default=10, help="saves in the real job")
     a = parse_options(p, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    top = a.simulate_max or (32 if a.quick else 256)
-    service_s, per_byte_s = measure_service()
-    emit({"bench": BENCH, "system": "limit", "case": "coordination_service",
-          "request_s": service_s, "per_byte_s": per_byte_s})
-    simulated = [n for n in (8, 16, 32, 64, 128, 256, 512) if n <= top and (n >= 16 or a.quick)]
-    fit = []
-    for n in simulated:
-        r = one_job(n, a.keep, service_s, per_byte_s)
-        assert r["requests"] == n * (n + 2), r
-        fit.append(r["bytes"] / n ** 2)
-        emit({"bench": BENCH, "system": "resilient_ckpt", "case": "all_to_all", "processes": n,
-              "modeled": False, **r})
-    per_n2 = fit[-1]  # every view is read by every process: N^2 reads of O(1) views
-    summary = {}
-    for n in (1024, 4096):
-        requests, nbytes = n * (n + 2), per_n2 * n ** 2
-        latency = requests * service_s + nbytes * per_byte_s  # one coordinator, serial
-        emit({"bench": BENCH, "system": "resilient_ckpt", "case": "all_to_all",
-              "processes": n, "modeled": True, "requests": requests, "bytes": int(nbytes),
-              "wall_s": latency})
-        summary[f"requests_per_agreement_over_3n_at_{n}"] = requests / (3 * n)
-        summary[f"modeled_agreement_latency_s_at_{n}"] = latency
-    emit_summary(BENCH, summary, goals={"requests_per_agreement_over_3n_at_4096": ("<=", 1.0),
-                                        "modeled_agreement_latency_s_at_4096": ("<=", 0.05)})
+    costs = measure_service()
+    emit({"bench": BENCH, "system": "limit", "case": "coordination_service", **costs})
+    summary = simulate(a, costs)
+    counts = a.job if a.job is not None else ([2, 4, 8] if a.quick else [2, 4, 8, 16, 32])
+    summary.update(real_jobs(a, counts))
+    goals = {"gather_requests_over_3n_at_4096": ("<=", 1.0),
+             "gather_save_agreement_s_at_4096": ("<=", 0.05),
+             "decisions_differ": ("<=", 0), "saves_vs_orbax": ("<=", 0.15),
+             "open_vs_orbax": ("<=", 1.0), "restore_vs_orbax": ("<=", 1.0),
+             "mismatches": ("<=", 0)}
+    emit_summary(BENCH, summary, goals=goals)
 
 
 if __name__ == "__main__":

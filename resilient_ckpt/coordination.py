@@ -6,9 +6,18 @@ and every branch after it is taken from the same exchanged data:
 - `open`: which file tiers every process sees (one directory for all, so
   only process 0 deletes and cleans there, and only the job's shards are
   written there) and which each has its own of (RAM, a local SSD);
-- `start_save`: the save id (process 0's), background failures anywhere
-  (raised on every process once the save has started, by `raise_failures`:
-  an old failure never costs a new save), the views retention decides from;
+- `start_save`: background failures anywhere (raised on every process once
+  the save has started, by `raise_failures`: an old failure never costs a new
+  save), the views retention decides from, a writer-lock refusal anywhere.
+  The first save of a manager agrees before it starts (a refusal raises on
+  every process, and the job's first save id is process 0's); once every
+  process holds the lock, a save's agreement runs off the training thread
+  (one background round at a time, `_pending`) and the save goes on with an
+  id derived from the first one: its blocking time does not grow with the
+  job. Every collective below first waits for that round and takes in what
+  it decided, so the rounds keep one order on every process and every answer
+  changes at the same point of every process's program (failures it found
+  are raised by the next save, or by `finish`);
 - `finish` (`wait_until_finished`): failures anywhere, raised everywhere;
 - `restore`: the candidate steps, and after each attempt whether every
   process restored its part; if any could not, all move to the next older
@@ -21,12 +30,13 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import dataclasses
+import hashlib
 import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .catalog.catalog import Catalog
+from .catalog.catalog import Catalog, JobView
 from .core import manifest
 from .core.selection import Choice
 from .errors import (
@@ -39,7 +49,7 @@ from .errors import (
     TargetMismatchError,
 )
 from .multihost import peer_fill
-from .multihost.agree import Peers
+from .multihost.agree import Peers, Round
 from .restore.assemble import Hole
 from .restore.loop import restore_alone
 from .save import tierrecord
@@ -56,6 +66,11 @@ class Coordinator:
         self.peers = catalog.peers
         self._started: set[int] = set()  # steps saved since the last agreement
         self._held: list[SaveFailedError] = []  # agreed failures raised after a save started
+        self._first_id: str | None = None  # the job's first save id, once every lock is held
+        self._saves = 0  # saves started by this manager (the same count on every process)
+        self._pending: futures.Future | None = None  # a save's agreement, in the background
+        self._round: Round | None = None  # the round it runs in
+        self._pool: futures.ThreadPoolExecutor | None = None
 
     def in_flight(self) -> set[int]:
         """Steps being written: this process's, or with several processes the
@@ -65,21 +80,58 @@ class Coordinator:
         return self._catalog.pending_anywhere() | self._started
 
     def _agree(self, what: str, extra: dict | None = None, failures: bool = True,
-               hold: bool = False) -> list[dict]:
+               hold: bool = False) -> JobView:
         """One agreement; with `failures`, background failures anywhere are
         handed over and raised on every process (`hold`: by `raise_failures`)."""
+        self._join()
         errors = self._saver.take_errors() if failures else []
-        views = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
-                                    extra)
+        job = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
+                                  extra)
         self._started.clear()
-        failed = [(self.peers.live[q], m) for q, m in self._catalog.agreed_errors()]
+        self._take(job, errors, hold)
+        return job
+
+    def _take(self, job: JobView, errors: list[SaveFailedError], hold: bool) -> None:
+        """Raises (or with `hold`, keeps for `raise_failures`) the failures `job` found."""
+        failed = [(self.peers.live[q], m) for q, m in job.errors]
         if failed:
             err = _agreed_failure(errors, failed, self.peers.index, self.peers.size,
                                   self._directory)
             if not hold:
                 raise err
             self._held.append(err)
-        return views
+
+    def _join(self) -> None:
+        """Waits for the save agreement running in the background and takes in
+        what it decided: the agreed view, its failures, retention from it."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        job, errors, step = pending.result()  # an AgreementError raises here, on every process
+        self._catalog.install(job)
+        self._started = {step}  # its views may predate this save's start
+        self._take(job, errors, hold=True)
+        if job.unsettled:  # saves spread over peers: the second round, here
+            self._agree(f"save of step {step} (saves no share makes whole)", failures=False)
+            self._started.add(step)
+        self._saver.run_retention()
+
+    def _in_background(self, step: int, at: Round) -> tuple[JobView, list[SaveFailedError], int]:
+        errors = self._saver.take_errors()
+        job = self._catalog.agree(f"save of step {step}", self._saver.pending(),
+                                  [str(e) for e in errors], at=at)
+        return job, errors, step
+
+    def settle(self) -> None:
+        """Takes in the save agreement running in the background, if any (before
+        a change that it must not undo: a delete)."""
+        self._join()
+
+    def close(self) -> None:
+        """Ends the background agreement thread (after `finish`)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # ------------------------------------------------------------ collectives
 
@@ -99,6 +151,17 @@ class Coordinator:
         """After a loss: every collective from now on among `processes` (jax
         process indices; every one of them calls this at the same point),
         from the tiers observed again; then they agree on what exists."""
+        lost = set(self.peers.live) - {int(q) for q in processes}
+        pending, self._pending = self._pending, None
+        if pending is not None and self._round is not None:
+            self.peers.abandon(self._round, lost)  # its round ends at once everywhere
+            try:
+                job, errors, _ = pending.result()
+            except Exception as e:  # noqa: BLE001 - a round the lost processes left unfinished
+                log.info("the save agreement under way when processes %s were lost is "
+                         "dropped: %s", sorted(lost), e)
+            else:  # it ended before the loss: its failures still count
+                self._take(job, errors, hold=True)
         self.peers.set_live(processes)
         self._catalog.reload()  # the lost processes' last commits included
         self._started.clear()
@@ -112,20 +175,30 @@ class Coordinator:
             if in_use is not None:
                 raise in_use
             return uuid.uuid4().hex
-        views = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex,
-                                                     "in_use": in_use and str(in_use)},
-                            hold=True)
-        refused = [(self.peers.live[q], v["in_use"]) for q, v in enumerate(views)
-                   if v.get("in_use")]
+        self._saves += 1
+        if self._first_id is not None:  # every lock held: in_use is None everywhere
+            self._join()
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="rc-agree")
+            self._round = self.peers.reserve()
+            self._pending = self._pool.submit(self._in_background, step, self._round)
+            self._started.add(step)
+            return hashlib.sha256(f"{self._first_id}:{self._saves}:{step}".encode()
+                                  ).hexdigest()[:32]
+        job = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex,
+                                                   "in_use": in_use and str(in_use)},
+                          hold=True)
+        refused = [(self.peers.live[q], m) for q, m in job.refusals]
         if refused:
             if in_use is not None:
                 raise in_use
             q, msg = refused[0]
             raise DirectoryInUseError(f"process {q} of the job could not lock "
                                       f"{self._directory} for writing: {msg}")
+        self._first_id = str(job.save_id)  # every process holds its lock from now on
         self._saver.run_retention()
         self._started.add(step)
-        return str(views[0]["save_id"])
+        return self._first_id
 
     def finish(self) -> None:
         """Waits for every background write here, then (with several processes)
@@ -203,19 +276,20 @@ class Coordinator:
             failure, error = ["error", f"{type(e).__name__}: {e}"], e
         if reported:  # failed after telling the others it had read its part
             raise error or CheckpointError(f"restore of step {step} failed: {failure[1]}")
-        views = self.peers.exchange(f"restore of step {step}", {"failure": failure, "holes": []})
-        return None, [(self.peers.live[q], v["failure"]) for q, v in enumerate(views)
-                      if v["failure"]], error
+        out = self.peers.decide(f"restore of step {step}", {"failure": failure, "holes": []},
+                                _outcomes)
+        return None, [(self.peers.live[q], f) for q, f in out["failures"]], error
 
     def _skeleton_if_none(self, step: int, choice: Choice | None) -> Choice | None:
         """Where this process can read nothing of `step` but a peer holds all of
         it, the step's records without chunks, from the first peer that has
         them: then every shard here is filled from the peers."""
-        have = self.peers.exchange(f"restore of step {step} (who reads it)",
-                                   {"has": choice is not None})
-        if all(v["has"] for v in have) or not any(v["has"] for v in have):
+        first = self.peers.decide(  # a position in peers.live, or None: nothing to share
+            f"restore of step {step} (who reads it)", {"has": choice is not None},
+            lambda views: None if all(v["has"] for v in views) else
+            next((q for q, v in enumerate(views) if v["has"]), None))
+        if first is None:
             return choice
-        first = next(q for q, v in enumerate(have) if v["has"])  # a position in peers.live
         doc = None
         if self.peers.rank == first and choice is not None:
             bare = dataclasses.replace(choice.manifest, items=tuple(
@@ -223,7 +297,8 @@ class Coordinator:
                                                      for lf in it.leaves))
                 for it in choice.manifest.items))
             doc = manifest.to_json(bare).decode()
-        doc = self.peers.exchange(f"restore of step {step} (its records)", doc)[first]
+        doc = self.peers.decide(f"restore of step {step} (its records)", doc,
+                                lambda views: views[first])
         if choice is not None:
             return choice
         m = manifest.parse(doc.encode(),
@@ -234,12 +309,12 @@ class Coordinator:
         """After this process read its part: every process's outcome, then the
         fill from peers of the shards some process could not read."""
         mine = sorted(w for w, h in holes.items() if not all(h.have.values()))
-        views = self.peers.exchange(f"restore of step {step}", {"failure": None, "holes": mine})
-        failures = [(self.peers.live[q], v["failure"]) for q, v in enumerate(views)
-                    if v["failure"]]
+        out = self.peers.decide(f"restore of step {step}", {"failure": None, "holes": mine},
+                                _outcomes)
+        failures = [(self.peers.live[q], f) for q, f in out["failures"]]
         if failures:
             raise _Abandoned(failures)
-        wanted = sorted(set().union(*(set(v["holes"]) for v in views)))
+        wanted = out["holes"]
         if not wanted:
             return {}
         if not all(w in holes and peer_fill.can_fill(holes[w].array.sharding) for w in wanted):
@@ -248,8 +323,9 @@ class Coordinator:
                                                 "and no replica axis to fill them from"])])
         arrays, ok = peer_fill.fill_all([(holes[w].array, holes[w].have) for w in wanted])
         filled = dict(zip(wanted, arrays, strict=True))
-        views = self.peers.exchange(f"restore of step {step} (filled from peers)", {"ok": ok})
-        short = [self.peers.live[q] for q, v in enumerate(views) if not v["ok"]]
+        short = [self.peers.live[q] for q in self.peers.decide(
+            f"restore of step {step} (filled from peers)", {"ok": ok},
+            lambda views: [q for q, v in enumerate(views) if not v["ok"]])]
         if short:
             raise _Abandoned([(q, ["fallback", "some of its shards are held by no process"])
                               for q in short])
@@ -265,24 +341,48 @@ def _classify_tiers(catalog: Catalog, peers: Peers) -> None:
     for _, st in tiers:
         st.put(probe + str(peers.index), memoryview(b""))
     try:
-        peers.exchange("open (probes written)", {})
+        peers.decide("open (probes written)", {}, lambda views: None)
         seen = {n: sorted(int(x[len(probe):]) for x in st.list("", starts_with=probe))
                 for n, st in tiers}
-        views = peers.exchange("open (probes seen)", seen)
+        live = peers.live
+        kinds = peers.decide("open (probes seen)", seen,
+                             lambda views: _tier_kinds([n for n, _ in tiers], live, views))
     finally:
         for _, st in tiers:
             st.delete(probe + str(peers.index))
-    everyone = set(peers.live)
     for n, st in tiers:
-        sets = [set(v[n]) for v in views]
-        if all(s == everyone for s in sets):
+        if kinds[n] == "shared":
             st.shared = True
-        elif any(s != {q} for q, s in zip(peers.live, sets, strict=True)):
+        elif kinds[n] != "own":
             raise ValueError(
                 f"the {n} tier ({st.url}) is seen by some processes but not all "
-                f"(processes see {[sorted(s) for s in sets]}): give each process a "
-                "directory of its own (e.g. RamTier(path=...) per process) or one that "
-                "every process sees")
+                f"({kinds[n]}): give each process a directory of its own (e.g. "
+                "RamTier(path=...) per process) or one that every process sees")
+
+
+def _tier_kinds(names: list[str], live: tuple[int, ...], views: list[dict]) -> dict[str, str]:
+    """Per tier, from the probes each process saw: "shared" (every process
+    saw every probe), "own" (each its own only), or what is wrong (a few
+    processes' sights, for the error)."""
+    out = {}
+    for n in names:
+        sets = [set(v[n]) for v in views]
+        if all(s == set(live) for s in sets):
+            out[n] = "shared"
+        elif all(s == {q} for q, s in zip(live, sets, strict=True)):
+            out[n] = "own"
+        else:
+            odd = [(q, sorted(s)) for q, s in zip(live, sets, strict=True)
+                   if s not in (set(live), {q})]
+            out[n] = "; ".join(f"process {q} sees the probes of {s[:8]}"
+                               for q, s in odd[:4]) + (" ..." if len(odd) > 4 else "")
+    return out
+
+
+def _outcomes(views: list[dict]) -> dict:
+    """A restore round's rule: each failure by position, and the union of holes."""
+    return {"failures": [(q, v["failure"]) for q, v in enumerate(views) if v["failure"]],
+            "holes": sorted(set().union(*(set(v["holes"]) for v in views)))}
 
 
 def _agreed_failure(errors: list[SaveFailedError], failed: list[tuple[int, str]],

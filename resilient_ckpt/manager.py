@@ -236,6 +236,7 @@ class CheckpointManager:
             raise StepNotFoundError(f"cannot delete step {step}: it does not exist in "
                                     f"{self._directory} (steps: {self.all_steps()})")
         self._saver.wait_step(step)
+        self._coord.settle()
         if step in self.catalog.orbax_steps():
             self.catalog.delete_orbax(step)
             return
@@ -327,6 +328,7 @@ class CheckpointManager:
             if self._cleanup is not None:
                 self._cleanup.join()  # it uses the storages closed below
             try:
+                self._coord.close()
                 self._saver.close()
             finally:
                 self._writer_lock.release()

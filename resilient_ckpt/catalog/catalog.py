@@ -36,33 +36,65 @@ from ..core import retention, selection, shares
 from ..core.layout import StepNaming
 from ..core.manifest import Manifest
 from ..core.retention import Retention
-from ..multihost.agree import Peers
+from ..multihost.agree import Peers, Round
 from ..storage.base import Storage
 from . import tier_steps
 
 
 class JobView:
-    """What every process reported at one agreement, decided alike everywhere:
-    the shares, and (only when some saves newer than every agreed step are
-    `unsettled`) the boxes of a second round, `cover`."""
+    """What the job decided at one agreement, the same on every process: the
+    agreed saves, the steps in flight anywhere, background failures (by
+    position in `peers.live`), the Orbax steps every process sees, the saves
+    a second round asks about (`unsettled`), and a save's id and writer-lock
+    refusals. `decided` makes it from every process's view (the rule of
+    `Peers.decide`), `to_json`/`from_json` carry it to the others."""
 
-    def __init__(self, views: Sequence[dict]):
-        self._reports = [[shares.Share.from_json(v) for v in x["shares"]] for x in views]
-        self.steps = shares.agree(self._reports)
-        self.pending: set[int] = set().union(*(set(x["pending"]) for x in views))
-        self.errors = [(q, e) for q, x in enumerate(views) for e in x["errors"]]
-        self._orbax = set.intersection(*(set(x["orbax"]) for x in views))
-        self.orbax = self._orbax - set(self.steps)
-        # Saves no share rule counted, for the second round (`cover`).
-        self.unsettled = shares.unsettled(self._reports, self.steps, self.pending)
+    def __init__(self, steps: dict[int, shares.AgreedStep], pending: set[int],
+                 errors: list[tuple[int, str]], orbax: set[int], unsettled: list,
+                 save_id: str | None = None, refusals: list[tuple[int, str]] | None = None):
+        self.steps, self.pending, self.errors = steps, pending, errors
+        self.orbax, self.unsettled = orbax, unsettled
+        self.save_id, self.refusals = save_id, refusals or []
+        self._reports: list[list[shares.Share]] = []  # on the deciding process only
+        self._orbax_all: set[int] = set()
 
-    def cover(self, views: Sequence[dict]) -> None:
+    @classmethod
+    def decided(cls, views: Sequence[dict]) -> JobView:
+        reports = [[shares.Share.from_json(v) for v in x["shares"]] for x in views]
+        steps = shares.agree(reports)
+        pending: set[int] = set().union(*(set(x["pending"]) for x in views))
+        orbax = set.intersection(*(set(x["orbax"]) for x in views))
+        job = cls(steps, pending, [(q, e) for q, x in enumerate(views) for e in x["errors"]],
+                  orbax - set(steps), shares.unsettled(reports, steps, pending),
+                  views[0].get("save_id"),
+                  [(q, str(x["in_use"])) for q, x in enumerate(views) if x.get("in_use")])
+        job._reports, job._orbax_all = reports, orbax
+        return job
+
+    def cover(self, views: Sequence[dict]) -> JobView:
         """Adds the unsettled saves that the boxes every process can read
-        (`shares.box_report`, exchanged in a second round) tile together."""
+        (`shares.box_report`, exchanged in a second round) tile together.
+        Only on the process that made this view with `decided`."""
         boxes = [x["boxes"] for x in views]
         for step, a in shares.covered(self._reports, self.unsettled, boxes).items():
             self.steps.setdefault(step, a)  # unsettled steps are newer than every agreed one
-        self.orbax = self._orbax - set(self.steps)
+        self.orbax = self._orbax_all - set(self.steps)
+        return self
+
+    def to_json(self) -> dict:
+        return {"steps": [[a.step, a.save_id, a.created, a.count, sorted(a.complete_in)]
+                          for a in self.steps.values()],
+                "pending": sorted(self.pending), "errors": self.errors,
+                "orbax": sorted(self.orbax), "unsettled": [list(u) for u in self.unsettled],
+                "save_id": self.save_id, "refusals": self.refusals}
+
+    @classmethod
+    def from_json(cls, d: dict) -> JobView:
+        steps = {int(v[0]): shares.AgreedStep(int(v[0]), str(v[1]), float(v[2]), int(v[3]),
+                                              frozenset(v[4])) for v in d["steps"]}
+        return cls(steps, set(d["pending"]), [(int(q), str(e)) for q, e in d["errors"]],
+                   set(d["orbax"]), [(int(a), str(b), int(c)) for a, b, c in d["unsettled"]],
+                   d["save_id"], [(int(q), str(m)) for q, m in d["refusals"]])
 
     def complete_in(self, tier: str) -> list[int]:
         """Steps that `tier` holds every process's share of, oldest first."""
@@ -100,7 +132,7 @@ class Catalog:
         self.naming = self._naming = naming  # step directory names
         self._directory, self._home = directory, home
         self.peers = peers
-        self._job = JobView([_empty_view()])
+        self._job = JobView.decided([_empty_view()])
         self._whole: dict[tuple[int, str, int], shares.Share | None] = {}
         self._lock = threading.Lock()
         self._views: dict[str, dict[int, selection.TierStep]] = {}
@@ -254,9 +286,14 @@ class Catalog:
         return shares.readable(views, self.names, bad, step, agreed.save_id)
 
     def agree(self, what: str, pending: set[int], errors: Sequence[str],
-              extra: dict | None = None) -> list[dict]:
-        """Exchanges this process's view with every other's (a collective) and
-        keeps what they decide together; returns every process's view."""
+              extra: dict | None = None, at: Round | None = None) -> JobView:
+        """Sends this process's view to the job's decision (a collective,
+        `Peers.decide`) and keeps what the job decided; returns it. `extra`:
+        `save_id` (the first process's is the save's) and `in_use` (a
+        writer-lock refusal here). `at`: a round reserved on the training
+        thread for an agreement in the background: one round only (no second
+        round for `unsettled` saves), and what it decided is returned, not
+        kept (`install`)."""
         shared = {n for n, st in self._tiers if st.shared}
         with self._lock:
             obs, bad = self._observations(), frozenset(self._bad)
@@ -265,25 +302,31 @@ class Catalog:
         mine = _reported(obs, bad, shared, self.peers, self._whole, self.names)
         view = dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
                     errors=list(errors), orbax=orbax, **(extra or {}))
-        views = self.peers.exchange(what, view)
-        job = JobView(views)
+        kept: list[JobView] = []  # the whole view, on the process that decides
+
+        def first(views: list) -> dict:
+            kept.append(JobView.decided(views))
+            return kept[-1].to_json()
+        job = JobView.from_json(self.peers.decide(what, view, first, at))
+        if at is not None:
+            return job
         if job.unsettled:  # decided from exchanged data: every process asks, or none
             report = shares.box_report(obs, self.names, bad, job.unsettled)
-            job.cover(self.peers.exchange(f"{what} (boxes of saves no share makes whole)",
-                                          {"boxes": report}))
+            job = JobView.from_json(self.peers.decide(
+                f"{what} (boxes of saves no share makes whole)", {"boxes": report},
+                lambda views: kept[-1].cover(views).to_json()))
+        self.install(job)
+        return job
+
+    def install(self, job: JobView) -> None:
+        """From now on, answer from `job` (what an agreement decided)."""
         with self._lock:
             self._job = job
-        return views
 
     def forget(self, step: int) -> None:
         """Drops a deleted step from the agreed view too (delete is collective)."""
         with self._lock:
             self._job.steps.pop(step, None)
-
-    def agreed_errors(self) -> list[tuple[int, str]]:
-        """(process, message) of background failures reported at the last agreement."""
-        with self._lock:
-            return list(self._job.errors)
 
     # ------------------------------------------------------------ metrics
 

@@ -9,8 +9,10 @@ coordination client (`key_value_set`, `blocking_key_value_get`,
 barrier that times out. Every call is one request to the coordinator; the
 service counts them and the bytes that cross, per process and in all, so the
 cost of an agreement protocol at N processes is counted, not guessed.
-`service_s` (seconds per request) and `per_byte_s` model the coordinator's
-time: requests are served one at a time, as by one coordinator thread.
+`service_s` (the coordinator's time per request) and `per_byte_s` model the
+coordinator: requests are served one at a time, as by one coordinator core;
+`rtt_s` is what each request costs its caller beyond that (the client's and
+the network's part of a round trip), paid by callers side by side.
 """
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from collections.abc import Sequence
 class KeyValueService:
     """The keys, barriers and counters of one simulated job (see the module docstring)."""
 
-    def __init__(self, count: int, service_s: float = 0.0, per_byte_s: float = 0.0):
-        if count < 1 or service_s < 0 or per_byte_s < 0:
-            raise ValueError(f"a job of {count} processes at {service_s} s a request and "
-                             f"{per_byte_s} s a byte: give at least 1 process and costs >= 0")
+    def __init__(self, count: int, service_s: float = 0.0, per_byte_s: float = 0.0,
+                 rtt_s: float = 0.0):
+        if count < 1 or min(service_s, per_byte_s, rtt_s) < 0:
+            raise ValueError(f"a job of {count} processes at {service_s} s a request, "
+                             f"{per_byte_s} s a byte and {rtt_s} s a round trip: give at "
+                             "least 1 process and costs >= 0")
         self.count = count
-        self.service_s, self.per_byte_s = service_s, per_byte_s
+        self.service_s, self.per_byte_s, self.rtt_s = service_s, per_byte_s, rtt_s
         self._cond = threading.Condition()
         self._serve = threading.Lock()  # one request served at a time
         self._keys: dict[str, str] = {}
@@ -59,6 +63,8 @@ class KeyValueService:
         if self.service_s or self.per_byte_s:
             with self._serve:
                 time.sleep(self.service_s + nbytes * self.per_byte_s)
+        if self.rtt_s:
+            time.sleep(self.rtt_s)
 
     # ------------------------------------------------------------ requests
 

@@ -3,34 +3,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from resilient_ckpt.core.shares import WHOLE, Share, agree, box_report, covered, unsettled
+from resilient_ckpt.core.shares import Share, agree, box_report, covered, unsettled
 from tests.support import effort
-
-TIERS = ["ram", "local", "gcs"]
-
-
-@st.composite
-def reports(draw):
-    """Random shares of a few saves of a few steps, spread over processes'
-    reports, with the truth of which saves are whole."""
-    out: list[list[Share]] = [[] for _ in range(draw(st.integers(1, 4)))]
-    truth = {}
-    for step in range(draw(st.integers(0, 4))):
-        for k in range(draw(st.integers(1, 2))):
-            sid, count = f"s{step}.{k}", draw(st.integers(1, 4))
-            created = float(draw(st.integers(0, 5)))
-            held: dict[int, set[str]] = {}
-            for q in range(count):
-                tiers = draw(st.sets(st.sampled_from(TIERS), max_size=3))
-                held[q] = tiers
-                for t in tiers:
-                    reporter = draw(st.integers(0, len(out) - 1))
-                    out[reporter].append(Share(step, sid, q, count, t, created))
-            whole = draw(st.booleans()) and draw(st.integers(0, 3)) == 0
-            if whole:
-                out[0].append(Share(step, sid, WHOLE, count, "*", created))
-            truth[(step, sid)] = (count, held, whole, created)
-    return out, truth
+from tests.support.shares import TIERS, reports
 
 
 @settings(max_examples=effort.examples(300))
@@ -220,12 +195,12 @@ def test_job_view_counts_a_save_whose_boxes_the_processes_hold_together():
     obs = [{5: [_tier_step("ram", q, 3, rows)]} for q, rows in ((0, [0, 1]), (2, [2, 3]))]
     shares_ = [Share(5, sid, q, 3, "ram", 1.0).to_json() for q in (0, 2)]
     views = [dict(shares=[v], pending=[], errors=[], orbax=[]) for v in shares_]
-    job = JobView(json.loads(json.dumps(views)))
+    job = JobView.decided(json.loads(json.dumps(views)))
     assert job.steps == {} and job.unsettled == [(5, sid, 3)]
     boxes = [{"boxes": box_report(o, ["ram"], frozenset(), job.unsettled)} for o in obs]
     job.cover(json.loads(json.dumps(boxes)))
     assert set(job.steps) == {5} and job.steps[5].complete_in == frozenset()
-    again = JobView(views)
+    again = JobView.decided(views)
     again.cover([{"boxes": box_report(obs[0], ["ram"], frozenset(), again.unsettled)},
                  {"boxes": []}])  # rows 2 and 3 nowhere
     assert again.steps == {}

@@ -1,0 +1,66 @@
+"""One process of bench/scale.py's real job: open a manager, save the tiny
+state `--saves` times (every step due) and wait, then open a fresh manager
+and restore the newest step; each phase's time on this process, from a
+barrier to its own end, and whether the restored state is exact.
+
+    python scale_worker.py (mh's options) --system resilient_ckpt|orbax --saves 10
+"""
+import argparse
+import sys
+import time
+
+import mh
+
+ctx = mh.init(sys.argv)
+p = argparse.ArgumentParser()
+p.add_argument("--system", choices=("resilient_ckpt", "orbax"), required=True)
+p.add_argument("--saves", type=int, default=10)
+o = p.parse_args(ctx.extra)
+
+
+def main(_ctx):
+    import jax
+    import orbax.checkpoint as ocp
+    ours = o.system == "resilient_ckpt"
+    state = ctx.initial_state()
+    abstract = ctx.abstract()
+    out = {}
+
+    def phase(name, fn):
+        mh.barrier(name)
+        t = time.perf_counter()
+        value = fn()
+        out[name] = time.perf_counter() - t
+        return value
+
+    def open_manager():
+        return (mh.ours(ctx, ram_every=1, ram_keep=2, local_every=1, local_keep=2) if ours
+                else mh.orbax(ctx, every=1, keep=2))
+    mngr = phase("open_s", open_manager)
+    saved = state if ours else mh.orbax_state(state)
+
+    def saves():
+        for s in range(o.saves):
+            mngr.save(s, args=ocp.args.StandardSave(saved))
+        mngr.wait_until_finished()
+    phase("saves_s", saves)
+    mngr.close()
+    again = phase("reopen_s", open_manager)
+    step = again.latest_step()
+
+    def restore():
+        if ours:
+            got = again.restore(step, args=ocp.args.StandardRestore(abstract))
+        else:
+            got = mh.from_orbax(again.restore(step, args=ocp.args.StandardRestore(
+                mh.orbax_abstract(abstract))))
+        return jax.block_until_ready(got)
+    restored = phase("restore_s", restore)
+    out["step"] = step
+    out["mismatches"] = len(ctx.check_exact(restored, 0))
+    again.close()
+    mh.barrier("end")
+    mh.report(out)
+
+
+mh.main(main, ctx)
