@@ -7,6 +7,7 @@ follows from)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -131,6 +132,32 @@ def test_a_rule_that_fails_fails_on_every_process():
     for e in out[1:]:
         assert isinstance(e, AgreementError) and "could not decide reload" in str(e)
         assert "TypeError" in str(e)
+
+
+def test_a_round_a_lost_process_left_ends_at_once_when_the_leader_abandons_it():
+    """A round reserved earlier (a save's agreement in the background) that
+    process 2 will never join: once the leader abandons it for process 2,
+    every process waiting in it raises AgreementError naming process 2 at
+    once, not after the timeout; the next round goes on among the others."""
+    n, t0 = 3, time.monotonic()
+
+    def body(p):
+        at = p.reserve()
+        if p.index == 2:
+            return "lost"
+        if p.index == 0:
+            threading.Timer(0.3, p.abandon, args=(at, {2})).start()
+        try:
+            p.decide("save of step 4", {"x": p.index}, _digest, at=at)
+        except AgreementError as e:
+            p.set_live([0, 1])
+            return str(e), p.decide("a change of the live processes", {"x": 1}, _digest)
+        return "decided"
+    out, _ = run_job(n, body, timeout_s=30.0)
+    assert time.monotonic() - t0 < 10  # not the 30 s timeout
+    for msg, after in out[:2]:
+        assert "process 2 of 3" in msg and "save of step 4" in msg, msg
+        assert after == {"n": 2, "sum": 2}
 
 
 def test_an_unknown_protocol_is_refused():

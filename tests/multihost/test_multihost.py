@@ -527,3 +527,49 @@ def test_a_directory_locked_by_another_writer_is_refused_on_every_process(hosts)
     assert "process 0 of the job" in got[1]["raised"], got
     assert all(g["after_s"] < 25 for g in got), got  # not the 30 s agreement timeout
     assert not os.path.exists(os.path.join(hosts["dir"], "1")), "nothing was written"
+
+
+OFF_THREAD = r'''
+import os, sys, time
+import mh
+ctx = mh.init(sys.argv)
+
+
+def run(ctx):
+    import orbax.checkpoint as ocp
+    import resilient_ckpt as rc
+    tiers = [rc.RamTier(path=ctx.ram, every=1, keep=2), rc.LocalTier(path=ctx.dir, every=1)]
+    mngr = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
+        tiers=tiers, agreement_timeout_s=30))
+    state = ctx.initial_state()
+    mngr.save(1, args=ocp.args.StandardSave(state))  # agreed before it starts (the locks)
+    flag = os.path.join(ctx.dir, "process-0-saved-2")
+    if ctx.pid == 0:
+        mngr.save(2, args=ocp.args.StandardSave(state))
+        open(flag, "w").close()  # process 1 saves step 2 only after this
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mh.report({"pid": 1, "saw_flag": os.path.exists(flag)})
+        mngr.save(2, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+    mh.report({"pid": ctx.pid, "steps": [int(s) for s in mngr.all_steps()],
+               "latest": mngr.latest_step()})
+    mngr.close()
+mh.main(run, ctx)
+'''
+
+
+def test_a_save_after_the_first_does_not_wait_for_the_other_processes(hosts):
+    """Once every process holds its writer lock, a save's agreement runs off
+    the training thread: process 0's save of step 2 returns while process 1
+    has not called save yet (process 1 waits for process 0's return first, so
+    a save that waited for the agreement would hang until the timeout), and
+    both then agree on the same steps."""
+    res = run_job(OFF_THREAD, 2, 2, common(hosts), timeout_s=JOB_S)
+    must_succeed(res, "the off-thread agreement job")
+    assert res[1].last("saw_flag", True) is not None, res[1].tail()
+    ends = [r.last("steps") for r in res]
+    assert ends[0]["steps"] == ends[1]["steps"] == [1, 2], ends
+    assert ends[0]["latest"] == ends[1]["latest"] == 2
