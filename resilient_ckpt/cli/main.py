@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..catalog import tier_steps
+from ..core import layout
 from ..core.manifest import DTYPES, LeafRecord, Manifest, decode_scalar, path_str
 from ..core.selection import TierStep
 from ..errors import CorruptCheckpointError, StepNotFoundError
@@ -271,6 +272,17 @@ def _fail(msg: str, code: int) -> int:
     return code
 
 
+def _step(text: str) -> int:
+    """A step argument: a whole number in the range every step is in
+    (`layout.check_step`); anything else is a usage error."""
+    try:
+        return layout.check_step(int(text), "resilient-ckpt")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a step number: steps are whole numbers in "
+            f"[0, {layout.MAX_STEP}]") from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-ckpt", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -281,9 +293,9 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON document")
     sub.add_parser("ls", parents=[common], help="every step in every tier, viable or why not")
     ins = sub.add_parser("inspect", parents=[common], help="a step's tree and metrics")
-    ins.add_argument("step", type=int)
+    ins.add_argument("step", type=_step)
     ver = sub.add_parser("verify", parents=[common], help="read and check every chunk")
-    ver.add_argument("step", type=int, nargs="?", help="only this step (default: all)")
+    ver.add_argument("step", type=_step, nargs="?", help="only this step (default: all)")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     gc = sub.add_parser("gc", parents=[common], help="dead writers' leftovers (dry run)")
     gc.add_argument("--apply", "--delete", action="store_true", help="remove them")
@@ -291,12 +303,12 @@ def parser() -> argparse.ArgumentParser:
                     help="on GCS: uncommitted objects older than this are leftovers")
     exp = sub.add_parser("export", parents=[common], help="a step as an Orbax checkpoint; "
                          "--tier NAME (no '=') reads it from that tier only")
-    exp.add_argument("step", type=int)
+    exp.add_argument("step", type=_step)
     exp.add_argument("dest", help="an Orbax CheckpointManager directory")
     imp = sub.add_parser("import", help="an Orbax checkpoint as a step of ours")
     imp.add_argument("directory", help="an Orbax step, manager or StandardCheckpointer dir")
     imp.add_argument("dest", help="our CheckpointManager directory (its default tiers)")
-    imp.add_argument("--step", type=int, help="which Orbax step / the step to save it as")
+    imp.add_argument("--step", type=_step, help="which Orbax step / the step to save it as")
     imp.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
