@@ -93,8 +93,14 @@ def take(storage: Storage, tier: str, d: str, step: int, index: int, count: int,
             f"writer ({who}); this save of it was refused so that the step holds one "
             "state in every tier. Only one manager may write a directory: stop the "
             "other writer, or save another step")
-    raise StepAlreadyExistsError(f"step {step} in the {tier} tier ({storage.url}/{d}): "
-                                 "its claim kept changing; save another step")
+    # Present (put_if_absent failed) yet unreadable and of no size, three times:
+    # not a regular file (a link, a FIFO, a directory: never followed or
+    # opened), or a claim that kept changing.
+    raise StepAlreadyExistsError(
+        f"step {step} in the {tier} tier: its claim {storage.url}/{key} is not a regular "
+        "file (a link, a FIFO, a directory) or kept changing; this save of it was "
+        "refused. If no writer is saving this step, remove it and save again, or save "
+        "another step")
 
 
 class StepClaim:
