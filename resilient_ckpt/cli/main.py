@@ -10,7 +10,8 @@ STEP DEST` (a step as an Orbax checkpoint) and `import SRC DEST` (an Orbax
 checkpoint as a step of ours); `--json` on each prints one JSON document
 instead. What a directory holds is survey.py's, what gc removes sweep.py's,
 the conversions interop.py's; only gc --apply, export and import write.
-Everything printed for a person goes through `safe` (`_say`): names and
+Everything printed for a person goes through `safe` (`_say`, and the
+package's warnings while a command runs, `_logged_safely`): names and
 strings read from the directory (file names, claims, the tiers record,
 manifests) may hold terminal escapes, and reach the terminal escaped; --json
 output is escaped by JSON itself.
@@ -20,12 +21,14 @@ directory that cannot be read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import logging
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..catalog import tier_steps
@@ -55,6 +58,31 @@ def safe(text: object) -> str:
 def _say(text: str = "", file: Any = None) -> None:
     """Prints one line for a person, through `safe`."""
     print(safe(text), file=file or sys.stdout)
+
+
+class _Safe(logging.Formatter):
+    """The package's log records, for a person: through `safe`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return safe(super().format(record))
+
+
+@contextlib.contextmanager
+def _logged_safely() -> Iterator[None]:
+    """While a command runs, the package's warnings (which name paths and
+    files of the directory) go to stderr through `safe`, and not on to
+    handlers that would print them raw."""
+    log = logging.getLogger("resilient_ckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_Safe("resilient-ckpt: %(levelname)s: %(message)s"))
+    propagate, log.propagate = log.propagate, False
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def _size(n: int) -> str:
@@ -341,6 +369,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    with _logged_safely():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command in ("export", "import"):
             return {"export": cmd_export, "import": cmd_import}[args.command](args)

@@ -83,3 +83,18 @@ def test_error_messages_are_escaped_too(tmp_path):
     p = run("ls", d, code=2)
     assert_clean(p.stderr)
     assert "\\x1b" in p.stderr
+
+
+def test_warnings_logged_while_reading_are_escaped(tmp_path):
+    """A tier whose very path holds escapes, with a torn manifest in it: the
+    reader's warning names the path, and reaches stderr escaped."""
+    d = str(tmp_path / ("t" + EVIL))
+    with CheckpointManager(d, options=CheckpointManagerOptions(tiers=(LocalTier(),))) as m:
+        m.save(1, args=ocp.args.StandardSave({"a": np.arange(4)}))
+    with open(os.path.join(d, "1", layout.manifest_name(0, 1)), "w") as f:
+        f.write('{"format": "resilient_ckpt", "ver')
+    p = run("ls", d)
+    assert_clean(p.stdout)
+    assert_clean(p.stderr)
+    assert "\\x1b" in p.stdout
+    assert "ignoring the manifest" in p.stderr and "\\x1b" in p.stderr, p.stderr
