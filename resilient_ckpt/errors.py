@@ -100,9 +100,10 @@ class AgreementError(CheckpointError, TimeoutError):
 
 
 class DirectoryInUseError(CheckpointError, RuntimeError):
-    """Another live manager holds the writer lock of a tier of this directory
-    (raised by the first save). The message names the directory, the tier and
-    the holder."""
+    """Another live manager holds the writer lock of a tier of this directory,
+    or the lock's name holds no regular file (a link, a FIFO, a directory), so
+    it cannot be locked (raised by the first save). The message names the
+    directory, the tier, the lock and the holder or what is there."""
 
 
 class MissingDependencyError(CheckpointError, ImportError):

@@ -30,7 +30,7 @@ from .catalog.catalog import Catalog
 from .compat import args as args_lib, metadata, orbax_steps as legacy, rootmeta
 from .coordination import Coordinator
 from .core import policies, retention
-from .core.layout import StepNaming
+from .core.layout import StepNaming, check_step
 from .core.selection import Choice
 from .errors import StepAlreadyExistsError, StepNotFoundError
 from .multihost.agree import Peers
@@ -179,8 +179,10 @@ class CheckpointManager:
         """Snapshots the state to host memory and writes it to every due tier in
         the background; returns whether a save was started. Earlier saves'
         failures are raised after this step's save started (a SaveFailedError
-        from `save` is about the steps it names), each once."""
+        from `save` is about the steps it names), each once. A `step` that is
+        not a whole number in [0, 2**63 - 1] is a ValueError (`check_step`)."""
         del save_kwargs
+        step = check_step(step, "save")  # before anything is written or claimed
         started = self._save(step, items, metrics, force, args, custom_metadata)
         self._coord.raise_failures()
         return started
@@ -229,6 +231,7 @@ class CheckpointManager:
     # ------------------------------------------------------------ delete
 
     def delete(self, step: int) -> None:
+        step = check_step(step, "delete")
         if self._options.read_only:
             log.warning("%s is read only; delete of step %d skipped", self._directory, step)
             return
@@ -252,6 +255,7 @@ class CheckpointManager:
         """Restores `step`, or with step=None the newest viable step (falling back
         to older ones, with a warning, when chunks of the newest are corrupt)."""
         del restore_kwargs
+        step = None if step is None else check_step(step, "restore")
         if directory is not None and str(directory) != str(self._directory):
             return self._restore_elsewhere(directory, step, items, args)
         args = self._mode.restore_args(args, items, functools.partial(_composite_step, self, step))
@@ -304,6 +308,7 @@ class CheckpointManager:
     def metadata(self, step: int | None = None) -> Any:
         if step is None:
             return self._root.get()
+        step = check_step(step, "metadata")
         self._saver.wait_step(step)
         c = self.catalog.choice(step)
         if c is None and step not in self.catalog.orbax_steps():

@@ -26,7 +26,7 @@ from orbax.checkpoint.experimental.v1.training import Checkpointer as _Orbax
 
 from . import errors
 from .compat.args import DEFAULT_ITEM
-from .core.layout import StepNaming
+from .core.layout import StepNaming, check_step
 from .core.pytree import flatten, leaf_kind
 from .manager import CheckpointManager
 from .options import CheckpointManagerOptions, TierConfig
@@ -230,6 +230,7 @@ class Checkpointer(_Orbax):  # Orbax marks its class @final: for type checkers o
         """Starts the save (the device-to-host copy happens here) and returns a
         response, or None when the policy skips the step. A step that exists
         raises StepAlreadyExistsError (a FileExistsError), unless `overwrite`."""
+        step = check_step(step, "save")  # True == 1: before `overwrite` deletes a step
         args = _save_args(checkpointables)
         if step in self._manager.all_steps():
             if not overwrite:
@@ -481,8 +482,8 @@ def _as_dict(out: Any) -> dict[str, Any]:
 
 
 def _step_of(step: Any) -> int:
-    """An int step, or the `.step` of Orbax's CheckpointMetadata."""
-    return step if isinstance(step, int) else step.step
+    """A step number (`layout.check_step`), or the `.step` of Orbax's CheckpointMetadata."""
+    return check_step(getattr(step, "step", step))
 
 
 def _nsecs(seconds: float | None) -> int:

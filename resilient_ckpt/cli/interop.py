@@ -43,7 +43,7 @@ from etils import epath
 
 from ..catalog import tier_steps
 from ..compat import args as args_lib
-from ..core import selection
+from ..core import layout, selection
 from ..core.manifest import DTYPES, ItemRecord, LeafRecord, Manifest, path_str
 from ..core.pytree import build_nested
 from ..core.sharding import rebuild
@@ -177,6 +177,7 @@ def export_step(directory: str, step: int, dest: str, tier: str | None = None,
     given) as step `step` of an Orbax CheckpointManager directory `dest`.
     StepNotFoundError when the step has no intact copy there, ExportError when
     `<dest>/<step>` exists; nothing is left at `dest` on any failure."""
+    step = layout.check_step(step, "export")
     import jax
     if jax.process_count() > 1:
         raise ExportError("export runs in one process; run it on one host that reads "
@@ -264,6 +265,7 @@ def import_step(src: str, dest: str, step: int | None = None, options: Any = Non
     import orbax.checkpoint as ocp
 
     from ..manager import CheckpointManager
+    step = None if step is None else layout.check_step(step, "import")
     t0 = time.perf_counter()
     path, n = _orbax_step_dir(os.path.abspath(src), step)
     if n is None:

@@ -10,24 +10,79 @@ STEP DEST` (a step as an Orbax checkpoint) and `import SRC DEST` (an Orbax
 checkpoint as a step of ours); `--json` on each prints one JSON document
 instead. What a directory holds is survey.py's, what gc removes sweep.py's,
 the conversions interop.py's; only gc --apply, export and import write.
+Everything printed for a person goes through `safe` (`_say`, and the
+package's warnings while a command runs, `_logged_safely`): names and
+strings read from the directory (file names, claims, the tiers record,
+manifests) may hold terminal escapes, and reach the terminal escaped; --json
+output is escaped by JSON itself.
 Exit status: 0 fine, 1 a defect or no such step, 2 a usage error or a
 directory that cannot be read.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import logging
 import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..catalog import tier_steps
+from ..core import layout
 from ..core.manifest import DTYPES, LeafRecord, Manifest, decode_scalar, path_str
 from ..core.selection import TierStep
 from ..errors import CorruptCheckpointError, StepNotFoundError
 from . import survey, sweep
+
+# C0 and C1 controls and DEL, the Unicode line separators and bidi controls
+# (which reorder what a line seems to say), and lone surrogates (bytes of a
+# name that is not UTF-8, which would not even print).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e"
+                     "\u2066-\u2069\ud800-\udfff]")
+
+
+def safe(text: object) -> str:
+    """`text` for a terminal: every control character escaped (`\\x1b`,
+    `\\u202e`), everything else as it is."""
+    def esc(m: re.Match) -> str:
+        c = ord(m.group())
+        return {9: "\\t", 10: "\\n", 13: "\\r"}.get(c) or (
+            f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+    return _UNSAFE.sub(esc, str(text))
+
+
+def _say(text: str = "", file: Any = None) -> None:
+    """Prints one line for a person, through `safe`."""
+    print(safe(text), file=file or sys.stdout)
+
+
+class _Safe(logging.Formatter):
+    """The package's log records, for a person: through `safe`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return safe(super().format(record))
+
+
+@contextlib.contextmanager
+def _logged_safely() -> Iterator[None]:
+    """While a command runs, the package's warnings (which name paths and
+    files of the directory) go to stderr through `safe`, and not on to
+    handlers that would print them raw."""
+    log = logging.getLogger("resilient_ckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_Safe("resilient-ckpt: %(levelname)s: %(message)s"))
+    propagate, log.propagate = log.propagate, False
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def _size(n: int) -> str:
@@ -62,18 +117,18 @@ def cmd_ls(dr: survey.Directory, args: argparse.Namespace) -> int:
                                            for c in s.copies]} for s in steps]})
         return 0
     src = "from its tiers record" if dr.recorded else "not recorded: defaults and --tier"
-    print(f"{dr.path}: tiers ({src})")
+    _say(f"{dr.path}: tiers ({src})")
     for e, _ in dr.tiers:
-        print(f"  {e.name:<8} {e.kind:<6} {e.where}")
+        _say(f"  {e.name:<8} {e.kind:<6} {e.where}")
     if not steps:
-        print("no steps")
+        _say("no steps")
     for s in steps:
-        print(f"step {s.step}: " + ("viable" if s.viable else f"NOT viable: {s.reason}"))
+        _say(f"step {s.step}: " + ("viable" if s.viable else f"NOT viable: {s.reason}"))
         for c in s.copies:
-            print(f"  {c.tier:<8} {c.state:<11} {c.processes:>5} {_size(c.stored_bytes):>10} "
+            _say(f"  {c.tier:<8} {c.state:<11} {c.processes:>5} {_size(c.stored_bytes):>10} "
                   f"{_age(c.age_s):>6}  {c.problem or 'whole'}")
             for w in c.writers:
-                print(f"  {'':<8} {w}")
+                _say(f"  {'':<8} {w}")
     return 0
 
 
@@ -130,19 +185,19 @@ def cmd_inspect(dr: survey.Directory, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(doc)
         return 0
-    print(f"step {s.step}: " + ("viable" if s.viable else f"NOT viable: {s.reason}"))
+    _say(f"step {s.step}: " + ("viable" if s.viable else f"NOT viable: {s.reason}"))
     if m is None:
-        print("  no readable manifest: nothing to show")
+        _say("  no readable manifest: nothing to show")
         return 0
     when = datetime.datetime.fromtimestamp(m.created, datetime.UTC).isoformat(timespec="seconds")
-    print(f"  save {m.save_id}, {m.process_count} process(es), created {when}")
-    print("  bytes per tier: " + ", ".join(f"{t} {_size(n)}" for t, n in per_tier.items()))
-    print(f"  metrics: {json.dumps(m.metrics)}")
+    _say(f"  save {m.save_id}, {m.process_count} process(es), created {when}")
+    _say("  bytes per tier: " + ", ".join(f"{t} {_size(n)}" for t, n in per_tier.items()))
+    _say(f"  metrics: {json.dumps(m.metrics)}")
     for it in doc["items"]:
-        print(f"  item {it['name']!r} ({it['kind']})"
+        _say(f"  item {it['name']!r} ({it['kind']})"
               + (f": {json.dumps(it['value'])}" if it["kind"] == "json" else ""))
         for lf in it["leaves"]:
-            print(f"    {lf['path']:<30} {lf['kind']:<12} {str(tuple(lf['shape'])):<14} "
+            _say(f"    {lf['path']:<30} {lf['kind']:<12} {str(tuple(lf['shape'])):<14} "
                   f"{lf['dtype'] or '-':<9} {_size(lf['nbytes']):>10}  {lf['sharding_text']}"
                   + (f" = {lf['value']!r}" if lf["kind"] == "scalar" else ""))
     return 0
@@ -195,8 +250,8 @@ def cmd_verify(dr: survey.Directory, args: argparse.Namespace) -> int:
     else:
         for x in defects:
             where = f"step {x['step']}" + (f" in {x['tier']}" if x["tier"] else "")
-            print(f"DEFECT {where}: {x['problem']}")
-        print(f"{'ok' if ok else 'FAILED'}: {len(jobs)} chunk copies ({_size(total)}) of "
+            _say(f"DEFECT {where}: {x['problem']}")
+        _say(f"{'ok' if ok else 'FAILED'}: {len(jobs)} chunk copies ({_size(total)}) of "
               f"{len(steps)} step(s) read, {len(defects)} defect(s)")
     return 0 if ok else 1
 
@@ -216,12 +271,12 @@ def cmd_gc(dr: survey.Directory, args: argparse.Namespace) -> int:
         return 0
     for t in done:
         if t.skipped:
-            print(f"{t.tier}: skipped, {t.skipped}")
+            _say(f"{t.tier}: skipped, {t.skipped}")
     for x in found:
-        print(f"{'removed' if args.apply else 'would remove'} {x.tier}:{x.path} "
+        _say(f"{'removed' if args.apply else 'would remove'} {x.tier}:{x.path} "
               f"{_size(x.bytes)}")
     verb = "removed" if args.apply else "to remove (run with --apply to remove them)"
-    print(f"{len(found)} leftover(s), {_size(total)}, {verb}" if found else "nothing to remove")
+    _say(f"{len(found)} leftover(s), {_size(total)}, {verb}" if found else "nothing to remove")
     return 0
 
 
@@ -231,7 +286,7 @@ def _moved(m: Any, args: argparse.Namespace, what: str) -> int:
     if args.json:
         _print_json(vars(m))
     else:
-        print(f"{what} step {m.step} ({', '.join(m.items)}: {m.leaves} leaves, "
+        _say(f"{what} step {m.step} ({', '.join(m.items)}: {m.leaves} leaves, "
               f"{_size(m.bytes)}) to {m.path} in {m.seconds:.1f}s")
     return 0
 
@@ -267,8 +322,19 @@ def _print_json(doc: Any) -> None:
 
 
 def _fail(msg: str, code: int) -> int:
-    print(f"resilient-ckpt: {msg}", file=sys.stderr)
+    _say(f"resilient-ckpt: {msg}", file=sys.stderr)
     return code
+
+
+def _step(text: str) -> int:
+    """A step argument: a whole number in the range every step is in
+    (`layout.check_step`); anything else is a usage error."""
+    try:
+        return layout.check_step(int(text), "resilient-ckpt")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a step number: steps are whole numbers in "
+            f"[0, {layout.MAX_STEP}]") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -281,9 +347,9 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON document")
     sub.add_parser("ls", parents=[common], help="every step in every tier, viable or why not")
     ins = sub.add_parser("inspect", parents=[common], help="a step's tree and metrics")
-    ins.add_argument("step", type=int)
+    ins.add_argument("step", type=_step)
     ver = sub.add_parser("verify", parents=[common], help="read and check every chunk")
-    ver.add_argument("step", type=int, nargs="?", help="only this step (default: all)")
+    ver.add_argument("step", type=_step, nargs="?", help="only this step (default: all)")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     gc = sub.add_parser("gc", parents=[common], help="dead writers' leftovers (dry run)")
     gc.add_argument("--apply", "--delete", action="store_true", help="remove them")
@@ -291,18 +357,23 @@ def parser() -> argparse.ArgumentParser:
                     help="on GCS: uncommitted objects older than this are leftovers")
     exp = sub.add_parser("export", parents=[common], help="a step as an Orbax checkpoint; "
                          "--tier NAME (no '=') reads it from that tier only")
-    exp.add_argument("step", type=int)
+    exp.add_argument("step", type=_step)
     exp.add_argument("dest", help="an Orbax CheckpointManager directory")
     imp = sub.add_parser("import", help="an Orbax checkpoint as a step of ours")
     imp.add_argument("directory", help="an Orbax step, manager or StandardCheckpointer dir")
     imp.add_argument("dest", help="our CheckpointManager directory (its default tiers)")
-    imp.add_argument("--step", type=int, help="which Orbax step / the step to save it as")
+    imp.add_argument("--step", type=_step, help="which Orbax step / the step to save it as")
     imp.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    with _logged_safely():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command in ("export", "import"):
             return {"export": cmd_export, "import": cmd_import}[args.command](args)

@@ -74,7 +74,10 @@ def _sized(st: Storage, tier: str, keys: list[str]) -> tuple[Leftover, ...]:
 def sweep_tier(name: str, st: Storage, naming: layout.StepNaming, apply: bool,
                orphan_age_s: float = 3600.0) -> TierSweep:
     """What `gc` would remove from one tier (and, with `apply`, removes)."""
-    held = writer_lock.holder(st)
+    try:
+        held = writer_lock.holder(st)
+    except DirectoryInUseError as e:  # its lock is not a regular file
+        return TierSweep(name, st.url, str(e), ())
     if held is not None:
         return TierSweep(name, st.url, f"a live writer holds its lock ({held})", ())
     rec = _Recording(st)

@@ -8,15 +8,21 @@ Temporaries and in-progress markers carry the writer's host, pid and process
 start time, so a cleaner can tell a dead writer's leftovers from a live save.
 A step's claim, `claim.<i>-of-<n>.json` (claim.py), says which save may commit
 it; `.rc-writer.lock` in a file tier's root is the writer lock (writer_lock.py).
+What a step number may be is `check_step`'s, the one check every entry point
+that takes a step from a user (save, restore, delete, the CLI) makes.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import re
 import socket
 import uuid
 
+from .strictjson import MAX_INT, short
+
+MAX_STEP = MAX_INT  # a manifest's step field is bounded so
 MANIFEST_PREFIX = "manifest."  # every manifest's name starts so (for listing them)
 WRITER_LOCK = ".rc-writer.lock"  # in a file tier's root: flocked by the live writer
 _CLAIM_RE = re.compile(r"^claim\.(\d+)-of-(\d+)\.json$")
@@ -24,6 +30,21 @@ _MANIFEST_RE = re.compile(r"^manifest\.(\d+)-of-(\d+)\.json$")
 _TMP_RE = re.compile(r"\.tmp\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)\.[0-9a-f]+$")
 _CHUNK_RE = re.compile(r"^[0-9a-f]{8}\.c\d+\.\d+\.(s|\d+(_\d+)*)$")
 _MARKER_RE = re.compile(r"^\.writing\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)$")
+
+
+def check_step(step: object, what: str = "this call") -> int:
+    """`step` as an int when it is a step number: a whole number (an int or a
+    numpy integer, never a bool) in [0, MAX_STEP], the range every manifest
+    and every reader accepts; otherwise ValueError naming it and the range.
+    A larger step would be written but never listed again (silent loss)."""
+    try:
+        n = None if isinstance(step, bool) else operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is None or not 0 <= n <= MAX_STEP:
+        raise ValueError(f"step {short(step)} ({type(step).__name__}) given to {what} is not "
+                         f"a step number: steps are whole numbers in [0, {MAX_STEP}]")
+    return n
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,11 @@ that put fails), then in the committing tier itself. A save's tier jobs share
 one `StepClaim`, so they see their own id; another writer sees a foreign one
 and is refused (`StepAlreadyExistsError`) before its manifest.
 
-A claim goes with its step (retention and delete remove the whole directory);
-one without a manifest is a leftover that `cleanup.cleanup` removes once its
+A claim goes with its step (retention and delete remove the whole directory).
+A save that committed the step in no tier lets go of its claims when its last
+tier job ends (`StepClaim.settle`), so the step can be saved again at once
+and a full disk keeps no claim; one that stays (a crash, a save whose writes
+were cancelled) is a leftover that `cleanup.cleanup` removes once its
 writer is dead (by age on GCS). A new save of the step takes over a claim
 whose writer is on this host and dead, with that writer's manifest of the
 same process index if it committed one: the manager starts a save only of a
@@ -90,8 +93,14 @@ def take(storage: Storage, tier: str, d: str, step: int, index: int, count: int,
             f"writer ({who}); this save of it was refused so that the step holds one "
             "state in every tier. Only one manager may write a directory: stop the "
             "other writer, or save another step")
-    raise StepAlreadyExistsError(f"step {step} in the {tier} tier ({storage.url}/{d}): "
-                                 "its claim kept changing; save another step")
+    # Present (put_if_absent failed) yet unreadable and of no size, three times:
+    # not a regular file (a link, a FIFO, a directory: never followed or
+    # opened), or a claim that kept changing.
+    raise StepAlreadyExistsError(
+        f"step {step} in the {tier} tier: its claim {storage.url}/{key} is not a regular "
+        "file (a link, a FIFO, a directory) or kept changing; this save of it was "
+        "refused. If no writer is saving this step, remove it and save again, or save "
+        "another step")
 
 
 class StepClaim:
@@ -112,6 +121,9 @@ class StepClaim:
         self._lock = threading.Lock()
         self._home: str | None = None  # the claim tier, once claimed ("" if none could be)
         self._refused: str | None = None
+        self._taken: dict[str, Storage] = {}  # the tiers this save holds the claim in
+        self._open = {name for name, _ in tiers}  # tier jobs not yet settled
+        self._committed = False
 
     def take(self, tier: str, storage: Storage) -> None:
         """Claims the step for this save before `tier` commits it; raises
@@ -143,3 +155,36 @@ class StepClaim:
     def _one(self, tier: str, storage: Storage) -> None:
         take(storage, tier, self._d, self._step, self._index, self._count, self._save_id,
              self._writer)
+        # No lock: `_take_home` holds it already, and `settle` reads this only
+        # once every tier job is over.
+        self._taken[tier] = storage
+
+    def settle(self, tier: str, committed: bool) -> None:
+        """`tier`'s job is over (`committed` it or not). When the last one is
+        and none committed, the claims this save took go (`_let_go`)."""
+        with self._lock:
+            self._open.discard(tier)
+            self._committed |= committed
+            last = not self._open and not self._committed
+            taken, self._taken = (dict(self._taken), {}) if last else ({}, self._taken)
+        if taken:
+            self._let_go(taken)
+
+    def _let_go(self, taken: dict[str, Storage]) -> None:
+        """Deletes this save's claims in `taken`, unless a manifest of this
+        process is in the step in one of them: a commit whose outcome was
+        unknown may have landed, and its step keeps its claim. Never raises:
+        a claim left behind is cleanup's."""
+        manifest = f"{self._d}/{layout.manifest_name(self._index, self._count)}"
+        key = f"{self._d}/{layout.claim_name(self._index, self._count)}"
+        try:
+            if any(st.size(manifest) is not None for st in taken.values()):
+                return
+            for st in taken.values():
+                held = read(st, key)
+                if held is not None and held[0] == self._save_id:
+                    st.delete(key)
+                    st.remove_empty_dir(self._d)
+        except OSError as e:
+            log.warning("could not remove the claim of step %d after its save failed "
+                        "(%s); cleanup removes it once this writer is gone", self._step, e)

@@ -182,10 +182,11 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
         t2 = time.perf_counter()
         m = manifest(stored)
         name = layout.manifest_name(m.process_index, m.process_count)
+        data = mf.to_json(m)  # a manifest the writer refuses is known not committed
         if claim is not None:
             claim()
         committing = True
-        if not storage.put_if_absent(f"{d}/{name}", mf.to_json(m)):
+        if not storage.put_if_absent(f"{d}/{name}", data):
             committing = False
             raise StepAlreadyExistsError(
                 f"step {step} was committed to the {tier} tier ({storage.url}/{d}) "

@@ -147,6 +147,8 @@ class Saver:
             if written:
                 self._retention_job(t)
         finally:
+            # Before `done`: once the step is no longer pending, it may be saved again.
+            flight.claim.settle(t.name, ok(flight.rec, t.name))
             self._flying.done(t.name, flight)
 
     def _write(self, t: Tier, flight: Flight) -> None:

@@ -9,7 +9,11 @@ tiers and process 0 the tiers every process sees. Read-only managers never
 save, so never lock. GCS cannot be flocked: there the step claim (claim.py)
 and the create-only manifests keep a second writer from splitting a step.
 The lock file stays in place when released: unlinking it would let two
-writers lock two different files of one name.
+writers lock two different files of one name. It is opened with O_NOFOLLOW
+and O_NONBLOCK and must be a regular file: anything else at its name (a
+link, a FIFO, a directory, a socket) could stand for a lock nobody shares,
+or hang the open, so the save is refused (`DirectoryInUseError` naming it)
+and nothing is created, truncated or written through a link.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 from collections.abc import Sequence
 
 from ..core import layout
@@ -70,7 +75,7 @@ class WriterLock:
     def _lock(self, tier: str, root: str) -> int | None:
         path = os.path.join(root, layout.WRITER_LOCK)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open(path, os.O_RDWR | os.O_CREAT, f"{self._directory}: the {tier} tier")
         except OSError as e:
             log.warning("cannot lock the %s tier (%s) against a second writer: %s", tier,
                         path, e)
@@ -105,12 +110,13 @@ class WriterLock:
 def holder(storage: Storage) -> str | None:
     """Who holds the writer lock of a file tier now, in words; None when
     nobody live does (or the tier is not a file tier). Probes with a shared,
-    non-blocking flock, so it never takes the lock from a writer."""
+    non-blocking flock, so it never takes the lock from a writer.
+    DirectoryInUseError when the lock's name holds no regular file."""
     root = _root(storage)
     if root is None:
         return None
     try:
-        fd = os.open(os.path.join(root, layout.WRITER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open(os.path.join(root, layout.WRITER_LOCK), os.O_RDONLY, storage.url)
     except FileNotFoundError:
         return None
     try:
@@ -122,6 +128,40 @@ def holder(storage: Storage) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open(path: str, flags: int, whose: str) -> int:
+    """The lock file at `path`, opened with `flags` without following a link
+    or blocking on a FIFO; DirectoryInUseError when something other than a
+    regular file is there (`whose`: the tier, for the message)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        # ELOOP: a link (O_NOFOLLOW); EISDIR: a directory; ENXIO: a socket
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        raise _not_a_file(path, whose) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_file(path, whose)
+    return fd
+
+
+def _not_a_file(path: str, whose: str) -> DirectoryInUseError:
+    try:
+        mode = os.lstat(path).st_mode
+        what = next((w for test, w in _KINDS if test(mode)), "a special file")
+    except OSError:
+        what = "something that changed while it was opened"
+    return DirectoryInUseError(
+        f"{whose}: its writer lock {path} is {what}, not a regular file, so it cannot "
+        "lock the directory against a second writer (and is never followed or opened "
+        "as one); nothing was written. Look at what put it there, remove it (a new lock "
+        "file is made at the next save), then save again")
 
 
 def _holder(text: str) -> str:

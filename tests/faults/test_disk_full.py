@@ -86,6 +86,8 @@ def scenario(ckpt: str, case: str, fill, unfill) -> None:
         m.check_for_errors()
         # Nothing of step 2 is left on the disk, without reopening the manager.
         assert leftovers(ckpt, 2) == []
+        # Nor its claim: a save that committed nowhere lets go of its step.
+        assert not os.path.exists(os.path.join(ckpt, "2")), os.listdir(os.path.join(ckpt, "2"))
         assert m.all_steps() == [1]
         assert_exact(m.restore(1, args=ocp.args.StandardRestore(abstract(states[1]))), want[1])
 
