@@ -2,13 +2,9 @@
 wrote, with real defects: through its `main` in this process (no interpreter
 and jax start per command), and as the installed console script in a
 subprocess where a test says so (`installed=True`, or an environment)."""
-import contextlib
-import io
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -17,33 +13,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, GcsTier, LocalTier, RamTier
-from resilient_ckpt.cli.main import main
 from resilient_ckpt.core import layout
 from resilient_ckpt.save.tierrecord import RECORD_NAME
-
-BIN = pathlib.Path(sys.executable).with_name("resilient-ckpt")
-
-
-def run(*args, code=0, env=None, installed=False):
-    argv = [str(a) for a in args]
-    if installed or env:
-        cmd = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "resilient_ckpt.cli.main"]
-        p = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, **(env or {})))
-    else:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = main(argv)
-            except SystemExit as e:  # argparse's refusals
-                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
-        p = subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
-    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
-    return p
-
-
-def js(*args, code=0, env=None, installed=False):
-    return json.loads(run(*args, "--json", code=code, env=env, installed=installed).stdout)
+from tests.support.cli import js, run
 
 
 def state(mesh, seed):

@@ -20,7 +20,7 @@ from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTie
 from resilient_ckpt.cli.main import safe
 from resilient_ckpt.core import layout
 from resilient_ckpt.save.tierrecord import RECORD_NAME
-from tests.cli.test_cli import run
+from tests.support.cli import run
 
 EVIL = "\x1b]0;owned\x07\x1b[2J\u202e\x9b"
 RAW = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]")  # a newline ends each line

@@ -26,7 +26,7 @@ import pytest
 
 import resilient_ckpt as rc
 from resilient_ckpt.core import layout
-from tests.cli.test_cli import run
+from tests.support.cli import run
 
 KINDS = ["symlink", "dangling symlink", "fifo", "directory", "socket"]
 

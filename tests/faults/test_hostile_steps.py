@@ -19,7 +19,7 @@ import pytest
 import resilient_ckpt as rc
 from resilient_ckpt import training
 from resilient_ckpt.core import layout
-from tests.cli.test_cli import run
+from tests.support.cli import run
 
 BAD = [-1, 2**63, 10**23, True, False, 1.5, 3.0, np.float32(2.0), np.float64(4.0),
        np.bool_(True), "7", None]
