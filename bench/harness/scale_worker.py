@@ -21,6 +21,8 @@ o = p.parse_args(ctx.extra)
 def main(_ctx):
     import jax
     import orbax.checkpoint as ocp
+
+    import resilient_ckpt  # noqa: F401 - imported before any timing, as Orbax is
     ours = o.system == "resilient_ckpt"
     state = ctx.initial_state()
     abstract = ctx.abstract()

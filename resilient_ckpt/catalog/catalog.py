@@ -3,8 +3,10 @@ process knows it.
 
 It keeps one view per tier (step -> `TierStep`, from `tier_steps.observe` at open
 and on `reload`, then updated after each of this process's own commits and
-deletes), the (tier, chunk) copies known to fail their checksums, the steps
-Orbax itself wrote in the manager's directory, the metrics of steps still in
+deletes; on a tier the whole job sees, a process other than 0 knows only its
+own manifest of a step it committed until it restores that step), the
+(tier, chunk) copies known to fail their checksums, the steps Orbax itself
+wrote in the manager's directory, the metrics of steps still in
 flight, and a cache of `selection.viable` over all of it. Retention's choice of
 what a tier may delete is made here, from the same views.
 
@@ -136,6 +138,7 @@ class Catalog:
         self._whole: dict[tuple[int, str, int], shares.Share | None] = {}
         self._lock = threading.Lock()
         self._views: dict[str, dict[int, selection.TierStep]] = {}
+        self._partial: set[tuple[str, int]] = set()  # (tier, step): own manifest only, so far
         self._orbax: set[int] = set()
         self._bad: set[tuple[str, str]] = set()
         self._cache: dict[int, selection.Choice] | None = None
@@ -161,22 +164,32 @@ class Catalog:
         views = {n: tier_steps.observe(st, n, self._naming) for n, st in self._tiers}
         orbax = legacy.orbax_steps(self._home, self._naming) if self._home else set()
         with self._lock:
-            self._views = views
+            self._views, self._partial = views, set()
             self._orbax = orbax - {s for v in views.values() for s in v}
             self._cache = None
 
     def committed(self, tier: str, storage: Storage, m: Manifest) -> None:
-        """Updates `tier`'s view with a manifest this process just committed."""
-        if storage.sizes_from_manifest and not (storage.shared and m.process_count > 1
-                                                and self.peers.index == 0):
+        """Updates `tier`'s view with a manifest this process just committed.
+
+        On a tier every process of a job sees, only process 0 reads the
+        step's other manifests back (it reports every share there and runs
+        its retention); every other process takes its own manifest alone, so
+        a save costs it the same at any number of hosts, and reads the rest
+        only if it restores that step (`choice`)."""
+        job_wide = storage.shared and m.process_count > 1
+        if (storage.sizes_from_manifest or job_wide) and not (job_wide
+                                                             and self.peers.index == 0):
             # Our own manifest is all we need to know: reading every process's
-            # back after every upload would cost hosts x hosts requests per step.
+            # back after every commit would cost hosts x hosts requests per step.
             with self._lock:
                 old = self._views.get(tier, {}).get(m.step)
             others = tuple(x for x in (old.manifests if old else ())
                            if not (getattr(x, "process_index", None) == m.process_index
                                    and getattr(x, "save_id", None) == m.save_id))
             ts: selection.TierStep | None = tier_steps.tier_step(tier, others + (m,))
+            if job_wide and not storage.sizes_from_manifest:
+                with self._lock:
+                    self._partial.add((tier, m.step))
         else:  # a file tier, or process 0 of a shared remote one (it runs retention
             # there): the step's other manifests are read, ours taken as written
             ts = tier_steps.observe_step(storage, tier, self._naming, m.step, known=m)
@@ -277,6 +290,15 @@ class Catalog:
         several processes, nothing of it readable here)."""
         if not self.peers.many:
             return self.viable().get(step)
+        with self._lock:
+            partial = [t for t, s in self._partial if s == step]
+        for tier in partial:  # the other processes' manifests, read now (`committed`)
+            ts = tier_steps.observe_step(self.storages()[tier], tier, self._naming, step)
+            with self._lock:
+                self._partial.discard((tier, step))
+                if ts is not None:
+                    self._views.setdefault(tier, {})[step] = ts
+                self._cache = None
         with self._lock:
             agreed = self._job.steps.get(step)
             views = [v[step] for v in self._views.values() if step in v]

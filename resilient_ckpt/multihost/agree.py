@@ -83,6 +83,7 @@ class Peers:
         self.protocol = protocol
         self._client: Any = None
         self._round = 0
+        self._waits: futures.ThreadPoolExecutor | None = None  # the leader's, for late views
         self.token = "solo"  # names this manager's keys (and probe files) in the job
         if self.count > 1:
             if job is not None:
@@ -200,10 +201,13 @@ class Peers:
                 return self._client.blocking_key_value_get(prefix + str(q), left)
             except Exception:  # noqa: BLE001 - the client's errors are untyped
                 return None
-        if late:
-            with futures.ThreadPoolExecutor(min(_FAN_IN, len(late))) as pool:
-                got.update((str(q), raw) for q, raw in zip(late, pool.map(wait, late),
-                                                             strict=True))
+        if len(late) == 1:
+            got[str(late[0])] = wait(late[0])
+        elif late:
+            if self._waits is None:  # kept: a round's own threads would cost the leader
+                self._waits = futures.ThreadPoolExecutor(_FAN_IN, "rc-agree-wait")
+            got.update((str(q), raw) for q, raw in zip(late, self._waits.map(wait, late),
+                                                         strict=True))
         missing = [q for q in live[1:] if got[str(q)] in (None, _GONE)]
         if missing:
             self._client.key_value_set(prefix + "d", json.dumps({"missing": missing}))
