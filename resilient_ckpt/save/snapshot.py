@@ -295,7 +295,7 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
     (`viewable`), the snapshot is `viewed` instead (its release faults a
     slab in for the next save: InFlight)."""
     sizes, offsets, total = layout or slab_layout(sources)
-    if total and not pool.has(total) and viewable(sources):
+    if total >= VIEW_MIN_BYTES and not pool.has(total) and viewable(sources):
         return viewed(step, save_id, items, sources, total)
     for *_, src, _ in sources:  # start every device-to-host transfer before waiting
         if isinstance(src, jax.Array):
@@ -322,6 +322,13 @@ def take(step: int, save_id: str, items: list[ItemRecord], sources: list, pool: 
             f.result()
     return Snapshot(step, save_id, items, chunks, total, slab,
                     fresh_bytes=len(slab) if fresh and slab is not None else 0)
+
+
+# Below this, a first save copies instead of viewing: faulting in a small
+# slab costs a few milliseconds, less than `_views_pin_buffers`'s one check
+# (a jit compile, 60 ms of CPU here), which a job of many processes on few
+# cores would pay on every process at its first save.
+VIEW_MIN_BYTES = 2 << 20
 
 
 def viewable(sources: list) -> bool:
