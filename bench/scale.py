@@ -41,7 +41,11 @@ N jax.distributed processes of one CPU device each on a tiny sharded state
 every step due, 10 saves and wait_until_finished; opening a manager; a
 restore of the newest step in a fresh manager. Beside it, the same job with
 Orbax's CheckpointManager on the shared directory (every step, keep 2).
-Each phase is the slowest process's time from a barrier to its own end.
+Each phase is the slowest process's time from a barrier to its own end;
+beside it, the longest mean time one save blocked a process, and the CPU
+one save costs a process (every thread, mean over the processes and the
+most): with N processes on this machine's 2 cores, a phase's wall time
+grows with N times that CPU, while on a cluster each host has its own.
 
     python bench/scale.py                 # everything
     python bench/scale.py --quick         # N = 8, 16, 32 simulated; jobs of 2, 4, 8
@@ -252,7 +256,10 @@ def job_phases(system: str, n: int, saves: int, root: str) -> dict:
     reports = [r.last() for r in results]
     if not all(r is not None and "error" not in r for r in reports):
         raise RuntimeError(f"the {system} job of {n} failed: {describe(results)}")
-    out = {k: max(r[k] for r in reports) for k in ("open_s", "saves_s", "reopen_s", "restore_s")}
+    out = {k: max(r[k] for r in reports) for k in ("open_s", "saves_s", "reopen_s", "restore_s",
+                                                   "save_blocking_s")}
+    out["cpu_per_save_s"] = sum(r["cpu_per_save_s"] for r in reports) / n
+    out["cpu_per_save_max_s"] = max(r["cpu_per_save_s"] for r in reports)
     out["mismatches"] = sum(r["mismatches"] for r in reports)
     return out
 
@@ -270,6 +277,9 @@ def real_jobs(a, counts: list[int]) -> dict:
                       "saves": a.saves, **got[system]})
             ours, orbax = got["resilient_ckpt"], got["orbax"]
             summary[f"saves_vs_orbax_{n}"] = ours["saves_s"] / orbax["saves_s"]
+            summary[f"save_blocking_vs_orbax_{n}"] = (ours["save_blocking_s"]
+                                                      / orbax["save_blocking_s"])
+            summary[f"cpu_per_save_ms_{n}"] = 1000 * ours["cpu_per_save_s"]
             summary[f"open_vs_orbax_{n}"] = ours["open_s"] / orbax["open_s"]
             summary[f"restore_vs_orbax_{n}"] = ((ours["reopen_s"] + ours["restore_s"])
                                                 / (orbax["reopen_s"] + orbax["restore_s"]))
