@@ -3,8 +3,8 @@ process knows it.
 
 It keeps one view per tier (step -> `TierStep`, from `tier_steps.observe` at open
 and on `reload`, then updated after each of this process's own commits and
-deletes; on a tier the whole job sees, a process other than 0 knows only its
-own manifest of a step it committed until it restores that step), the
+deletes; on a tier the whole job sees, a process knows only its own manifest
+of a step it committed until it restores that step or reloads), the
 (tier, chunk) copies known to fail their checksums, the steps Orbax itself
 wrote in the manager's directory, the metrics of steps still in
 flight, and a cache of `selection.viable` over all of it. Retention's choice of
@@ -171,14 +171,13 @@ class Catalog:
     def committed(self, tier: str, storage: Storage, m: Manifest) -> None:
         """Updates `tier`'s view with a manifest this process just committed.
 
-        On a tier every process of a job sees, only process 0 reads the
-        step's other manifests back (it reports every share there and runs
-        its retention); every other process takes its own manifest alone, so
-        a save costs it the same at any number of hosts, and reads the rest
-        only if it restores that step (`choice`)."""
+        On a tier every process of a job sees, each process takes its own
+        manifest alone (each reports its own share there at the next
+        agreement), so a save costs a process the same at any number of
+        hosts; it reads the others' only if it restores that step (`choice`),
+        and every one at `reload` (a lost process's share included)."""
         job_wide = storage.shared and m.process_count > 1
-        if (storage.sizes_from_manifest or job_wide) and not (job_wide
-                                                             and self.peers.index == 0):
+        if storage.sizes_from_manifest or job_wide:
             # Our own manifest is all we need to know: reading every process's
             # back after every commit would cost hosts x hosts requests per step.
             with self._lock:
@@ -190,8 +189,8 @@ class Catalog:
             if job_wide and not storage.sizes_from_manifest:
                 with self._lock:
                     self._partial.add((tier, m.step))
-        else:  # a file tier, or process 0 of a shared remote one (it runs retention
-            # there): the step's other manifests are read, ours taken as written
+        else:  # a file tier of this host: its other manifests (a save by
+            # another job, or replicas) are read, ours taken as written
             ts = tier_steps.observe_step(storage, tier, self._naming, m.step, known=m)
         with self._lock:
             if ts is not None:
