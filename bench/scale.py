@@ -53,6 +53,7 @@ grows with N times that CPU, while on a cluster each host has its own.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -292,9 +293,13 @@ def real_jobs(a, counts: list[int]) -> dict:
 def _counts(text: str) -> list[int]:
     if text == "none":
         return []
-    out = [int(x) for x in text.split(",") if x]
-    if any(n < 2 or n > 64 for n in out):
-        raise ValueError(f"--job {text}: give process counts from 2 to 64, or none")
+    try:
+        out = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        out = [0]
+    if not out or any(n < 2 or n > 64 for n in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: give process counts from 2 to 64, "
+                                         "separated by commas (2,4,8), or none")
     return out
 
 
