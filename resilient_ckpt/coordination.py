@@ -21,7 +21,10 @@ and every branch after it is taken from the same exchanged data:
 - `finish` (`wait_until_finished`): failures anywhere, raised everywhere;
 - `restore`: the candidate steps, and after each attempt whether every
   process restored its part; if any could not, all move to the next older
-  step together (or all raise, for an explicit step or a bug);
+  step together (or all raise, for an explicit step or a bug). Where the
+  job has both tiers of its own per host and tiers it shares, each step is
+  tried first from the hosts' own tiers, what a host lacks filled from its
+  peers, and only then with the shared tiers too;
 - `set_live`: after a loss, the survivors go on among themselves: every
   collective above is among them from then on (`agree.Peers.set_live`).
 Exchanged views come in the order of the live processes (`peers.live`).
@@ -230,8 +233,14 @@ class Coordinator:
             raise StepNotFoundError(f"step {step} has no viable copy in {self._directory} "
                                     f"on every process; viable steps: {sorted(agreed)}")
         candidates = [step] if step is not None else sorted(agreed, reverse=True)
+        kinds = {st.shared for st in self._catalog.storages().values()}
         for s in candidates:
-            out, failures, error = self._try_step(s, attempt)
+            out, failures, error = self._try_step(s, attempt, own_only=kinds == {True, False})
+            if failures and all(f[0] == "fallback" for _, f in failures) and len(kinds) == 2:
+                log.info("step %d is not restorable from the hosts' own tiers and their "
+                         "peers alone (%s); again with the tiers the whole job sees", s,
+                         "; ".join(f"process {q}: {f[1]}" for q, f in failures))
+                out, failures, error = self._try_step(s, attempt)
             if not failures:
                 return out
             fatal = [(q, f) for q, f in failures if f[0] == "error"]
@@ -249,11 +258,15 @@ class Coordinator:
         raise StepNotFoundError(f"no step of {self._directory} is restorable on every "
                                 f"process (tried {candidates})")
 
-    def _try_step(self, step: int, attempt: Callable[..., Any]
+    def _try_step(self, step: int, attempt: Callable[..., Any], own_only: bool = False
                   ) -> tuple[Any, list, BaseException | None]:
         """This process's part of restoring `step`, and every process's
-        failures, (kind, message) by process: empty when all worked."""
-        choice = self._skeleton_if_none(step, self._catalog.choice(step))
+        failures, (kind, message) by process: empty when all worked.
+        `own_only`: each process reads from its own tiers only, and what it
+        lacks comes from its peers (`_settle`), not from the tiers the whole
+        job sees: a lost host's share comes from its peers' RAM, device to
+        device, before a shared tier (GCS) is read for it."""
+        choice = self._skeleton_if_none(step, self._catalog.choice(step, own_only))
         reported = []
 
         def settle(holes: dict[str, Hole]) -> dict[str, Any]:

@@ -284,13 +284,15 @@ class Catalog:
         with self._lock:
             return set(self._job.pending)
 
-    def choice(self, step: int) -> selection.Choice | None:
+    def choice(self, step: int, own_only: bool = False) -> selection.Choice | None:
         """Where this process reads `step` from (None: not viable, or, with
-        several processes, nothing of it readable here)."""
+        several processes, nothing of it readable here). `own_only`: from
+        this host's own tiers only, not from those the whole job sees."""
         if not self.peers.many:
             return self.viable().get(step)
+        shared = {n for n, st in self._tiers if st.shared} if own_only else set()
         with self._lock:
-            partial = [t for t, s in self._partial if s == step]
+            partial = [t for t, s in self._partial if s == step and t not in shared]
         for tier in partial:  # the other processes' manifests, read now (`committed`)
             ts = tier_steps.observe_step(self.storages()[tier], tier, self._naming, step)
             with self._lock:
@@ -300,7 +302,7 @@ class Catalog:
                 self._cache = None
         with self._lock:
             agreed = self._job.steps.get(step)
-            views = [v[step] for v in self._views.values() if step in v]
+            views = [v[step] for t, v in self._views.items() if step in v and t not in shared]
             bad = frozenset(self._bad)
         if agreed is None:
             return None

@@ -367,6 +367,22 @@ def test_lost_host_ram_is_filled_from_its_peers_replicas(hosts):
     assert reports[0]["bytes_by_tier"].get("peers", 0) == 0, summary(reports)
 
 
+def test_a_lost_hosts_share_comes_from_its_peers_ram_before_the_shared_tier(hosts):
+    """Step 6 is in every host's RAM and on the shared tier; host 1 loses its
+    RAM. The fresh job restores step 6 with host 1's shards moved from host
+    0's devices (its RAM holds replicas), not read from the shared tier,
+    which at scale is GCS: 0 bytes from it on any host."""
+    mesh = ["--mesh", "2,2,2"]
+    train(hosts, steps=6, extra=mesh)  # step 6: RAM on both hosts and the local tier
+    shutil.rmtree(hosts["ram_of"](1))
+    res, reports = restore(hosts, extra=mesh)
+    step = assert_agree_exact(res, reports, "restore after host 1 lost its RAM tier")
+    assert step == 6, summary(reports)
+    assert all(r["bytes_by_tier"].get("local", 0) == 0 for r in reports), summary(reports)
+    assert reports[1]["bytes_by_tier"].get("peers") == reports[1]["target_bytes"], \
+        summary(reports)
+
+
 # ---------------------------------------------------------------- (e) process count changes
 
 @pytest.fixture
