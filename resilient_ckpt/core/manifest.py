@@ -66,6 +66,18 @@ def max_stored_nbytes(nbytes: int) -> int:
     return nbytes + nbytes // 128 + 4096
 
 
+# The most bytes one stored byte of a zstd frame can decode to: a block holds at
+# most 128 KiB, and the smallest (an RLE block) takes 4 bytes. A claim beyond
+# it is one no stored object can back, so it is refused before anything is
+# allocated for it (a manifest claiming a terabyte leaf in a 4 KiB object).
+MAX_ZSTD_RATIO = (128 << 10) // 4
+
+
+def min_stored_nbytes(codec_name: str, nbytes: int) -> int:
+    """The fewest bytes a chunk of `nbytes` may take as stored with `codec_name`."""
+    return nbytes if codec_name == "raw" else -(-nbytes // MAX_ZSTD_RATIO)
+
+
 PathEntry = tuple[str, Any]  # ("key", "params") | ("index", 0) | ("attr", "w")
 
 
@@ -261,6 +273,10 @@ def _parse_chunk(r: Reader, d: Any, shape: tuple[int, ...], itemsize: int,
     if c.codec == "raw" and c.stored_nbytes != c.nbytes:
         raise r.fail(f"{ctx}.stored_nbytes {c.stored_nbytes} != nbytes {c.nbytes} "
                      "for a raw chunk")
+    if c.stored_nbytes < min_stored_nbytes(c.codec, c.nbytes):
+        raise r.fail(f"{ctx}.stored_nbytes {c.stored_nbytes} cannot hold the {c.nbytes} "
+                     f"bytes it claims (a {c.codec} object of n bytes decodes to at most "
+                     f"{MAX_ZSTD_RATIO} * n); the manifest is corrupt")
     if c.stored_nbytes > max_stored_nbytes(c.nbytes):
         raise r.fail(f"{ctx}.stored_nbytes {c.stored_nbytes} is more than a {c.codec} "
                      f"encoding of {c.nbytes} bytes can take ({max_stored_nbytes(c.nbytes)})")
