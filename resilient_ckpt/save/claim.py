@@ -32,7 +32,8 @@ import threading
 from collections.abc import Sequence
 
 from ..core import layout
-from ..errors import StepAlreadyExistsError, StorageError
+from ..core.strictjson import Reader, short
+from ..errors import CorruptCheckpointError, StepAlreadyExistsError, StorageError
 from ..storage.base import Storage
 
 log = logging.getLogger("resilient_ckpt")
@@ -43,21 +44,35 @@ def encode(save_id: str, writer: layout.Writer) -> bytes:
                        "start": writer.start}, separators=(",", ":")).encode()
 
 
-def parse(data: bytes) -> tuple[str, layout.Writer] | None:
-    """(save id, writer) of a claim, or None if it does not parse."""
-    try:
-        doc = json.loads(data)
-        return str(doc["save_id"]), layout.Writer(str(doc["host"]), int(doc["pid"]),
-                                                  int(doc["start"]))
-    except (ValueError, KeyError, TypeError):
-        return None
+# A claim is a few dozen bytes; anything at its name is read at most this far.
+MAX_CLAIM_BYTES = 4096
+
+
+def parse(data: bytes, where: str) -> tuple[str, layout.Writer]:
+    """(save id, writer) of the claim bytes `data` read from `where`; raises
+    CorruptCheckpointError naming `where` for anything else: over
+    MAX_CLAIM_BYTES, not UTF-8 JSON, nested too deeply, not an object of
+    those fields (more are let by, for a newer writer), pid and start not
+    integers in [0, 2**63 - 1]."""
+    r = Reader(where)
+    if len(data) > MAX_CLAIM_BYTES:
+        raise r.fail(f"{len(data)} bytes is more than a claim's {MAX_CLAIM_BYTES}")
+    doc = r.load(bytes(data))
+    if not isinstance(doc, dict) or not _FIELDS <= doc.keys():
+        raise r.fail(f"not a claim (an object with the fields {sorted(_FIELDS)}), "
+                     f"got {short(doc)}")
+    return r.str_(doc["save_id"], "save_id"), layout.Writer(
+        r.str_(doc["host"], "host"), r.int_(doc["pid"], "pid"), r.int_(doc["start"], "start"))
+
+
+_FIELDS = {"save_id", "host", "pid", "start"}
 
 
 def read(storage: Storage, key: str) -> tuple[str, layout.Writer] | None:
     """The claim at `key`; None if it is gone, too large or does not parse."""
     try:
-        return parse(storage.read(key, max_bytes=4096))
-    except StorageError:
+        return parse(storage.read(key, max_bytes=MAX_CLAIM_BYTES), f"{storage.url}/{key}")
+    except (StorageError, CorruptCheckpointError):
         return None
 
 
