@@ -149,6 +149,8 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
             singles[box] = plan.single
         else:
             plans[box] = plan
+    reader.vouch([c for c in singles.values()] + [p.chunk for plan in plans.values()
+                                                 for p in plan.pieces], where)
     mapped: dict = {}
     stitched = plans
     if zero_copy and dest is None and plans:  # views of RAM-tier chunks mapped in row order

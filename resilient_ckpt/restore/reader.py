@@ -18,7 +18,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,7 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._why: dict[tuple[str, str], str] = {}  # (tier, key) -> why that copy failed
         self._resident: dict[tuple[str, str], bool] = {}  # (tier, key) -> maps() said
+        self._vouched: set[tuple[str, str]] = set()  # (tier, key) whose size was asked
         # Whole-chunk reads of one leaf run side by side: preadv and the
         # checksum overlap across chunks (faster on a cold disk, docs/benchmarks.md).
         self.pool = cf.ThreadPoolExecutor(4, thread_name_prefix="rc-restore")
@@ -109,6 +110,53 @@ class ChunkReader:
             f"step {self.choice.step}, {where}: chunk {c.key} has no intact copy "
             f"(tried {tried or 'none'}); restore an older step (latest_step() now "
             "skips this one)")
+
+    def vouch(self, chunks: Iterable[ChunkRecord], where: str) -> None:
+        """Checks, before anything is allocated for `chunks`, that the copy of
+        each to be read first is of the size its manifest records, where the
+        tier's view took that size from the manifest itself (a tier that
+        `sizes_from_manifest`, as GCS; every other tier's sizes were observed
+        at selection). That tier is asked the object's size; a copy of another
+        size is marked bad, as a failed read is (the next copy is tried; with
+        none left, CorruptCheckpointError names the step and restore() falls
+        back to an older one). So no claim is allocated on a manifest's word
+        alone: a 4 KiB object claimed as 32 TiB raised ENOMEM before any read."""
+        todo = [c for c in chunks if self._unvouched(c)]
+        if len(todo) == 1:
+            self._vouch(todo[0], where)
+        elif todo:
+            list(self.pool.map(lambda c: self._vouch(c, where), todo))
+
+    def _unvouched(self, c: ChunkRecord) -> bool:
+        tier = self.first_copy(c)
+        return tier is not None and self.storages[tier].sizes_from_manifest and \
+            (tier, c.key) not in self._vouched
+
+    def _vouch(self, c: ChunkRecord, where: str) -> None:
+        tried = []
+        for tier in self.choice.sources.get(c.key, ()):
+            st = self.storages[tier]
+            if (tier, c.key) in self.bad:
+                continue
+            if not st.sizes_from_manifest or (tier, c.key) in self._vouched:
+                return  # observed at selection, or asked already
+            try:
+                size: int | None | StorageError = st.size(f"{self.dir}/{c.key}")
+            except StorageError as e:
+                size = e
+            if size == c.stored_nbytes:
+                with self._lock:
+                    self._vouched.add((tier, c.key))
+                return
+            why = (f"{st.url}/{self.dir}/{c.key} is {size} bytes, its manifest claims "
+                   f"{c.stored_nbytes}" if not isinstance(size, StorageError) else str(size))
+            tried.append(f"{tier}: {why}")
+            self._failed(tier, c.key, f"step {self.choice.step}, {where}: chunk {c.key} in the "
+                         f"{tier} tier: {why}; trying the next copy", why)
+        raise CorruptCheckpointError(
+            f"step {self.choice.step}, {where}: chunk {c.key} has no copy of the size its "
+            f"manifest claims (tried {tried or 'none'}); nothing was allocated for it; "
+            "restore an older step (latest_step() now skips this one)")
 
     def whole(self, c: ChunkRecord, where: str, zero_copy: bool,
               out: np.ndarray | None = None) -> np.ndarray:
