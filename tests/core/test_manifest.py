@@ -212,6 +212,8 @@ DEFECTS = {
                              C0 + ".stored_nbytes 25 != nbytes"),
     "zstd stored too large": (lambda d: _chunk(d).update(codec="zstd", stored_nbytes=10**9),
                               C0 + ".stored_nbytes 1000000000 is more than"),
+    "zstd stored too small": (lambda d: _chunk(d).update(codec="zstd", stored_nbytes=0),
+                              C0 + ".stored_nbytes 0 cannot hold the 24 bytes"),
     "negative nbytes": (lambda d: _chunk(d).update(nbytes=-1), C0 + ".nbytes must be"),
     "block count": (lambda d: _chunk(d).update(block_bytes=8), C0 + ".block_crc32c has 0"),
     "block_crc32c not a list": (lambda d: _chunk(d).update(block_crc32c=5),
@@ -331,3 +333,11 @@ def test_the_dtype_table_matches_numpy():
 
 def test_path_str_reads_like_keystr():
     assert mf.path_str((("key", "params"), ("index", 0), ("attr", "w"))) == "['params'][0].w"
+
+
+def test_a_zstd_chunk_claims_at_most_32768_bytes_per_stored_byte():
+    """A zstd block decodes to at most 128 KiB and takes at least 4 bytes."""
+    assert mf.min_stored_nbytes("zstd", 2**45) == 2**30
+    assert mf.min_stored_nbytes("zstd", 32769) == 2
+    assert mf.min_stored_nbytes("zstd", 0) == 0
+    assert mf.min_stored_nbytes("raw", 7) == 7
