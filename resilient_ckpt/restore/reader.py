@@ -8,8 +8,11 @@ with the RAM-tier chunks that follow it along rows into one region (a target
 box stacking rows of several is then a view of it), or in parts: only the
 checksum blocks holding the rows a target needs, straight into place where
 the rows line up, else through a staging buffer bounded by the restore memory
-budget. The `RestoreRecord` says which tier served each chunk, the bytes read
-per tier, and what fell back.
+budget. Before anything is allocated for a chunk whose size its tier's view
+took from the manifest (GCS, fsspec), that tier is asked the object's size
+(`vouch`), so a manifest's claim is never allocated on its word alone. The
+`RestoreRecord` says which tier served each chunk, the bytes read per tier,
+and what fell back.
 """
 from __future__ import annotations
 

@@ -23,6 +23,11 @@ no restore (a lost host's peers keep their shares of a step it never
 finished), and must not block the step being saved again. Only the writer lock
 (writer_lock.py) holder of a file tier saves there, so two such takeovers
 never race.
+
+A claim's bytes are untrusted (anyone who can write the tier): `parse` takes
+only a small object of the four fields with bounded values and otherwise
+raises CorruptCheckpointError naming the file; `read` makes that, like a
+missing claim, None.
 """
 from __future__ import annotations
 
