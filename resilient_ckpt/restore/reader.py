@@ -8,9 +8,10 @@ with the RAM-tier chunks that follow it along rows into one region (a target
 box stacking rows of several is then a view of it), or in parts: only the
 checksum blocks holding the rows a target needs, straight into place where
 the rows line up, else through a staging buffer bounded by the restore memory
-budget. Before anything is allocated for a chunk whose size its tier's view
-took from the manifest (GCS, fsspec), that tier is asked the object's size
-(`vouch`), so a manifest's claim is never allocated on its word alone. The
+budget. Before anything is allocated for a chunk of 256 MiB or more whose
+size its tier's view took from the manifest (GCS, fsspec), that tier is asked
+the object's size (`vouch`), so a large claim is never allocated on the
+manifest's word alone. The
 `RestoreRecord` says which tier served each chunk, the bytes read per tier,
 and what fell back.
 """
@@ -45,6 +46,13 @@ class RestoreRecord:
     chunks_by_tier: dict = dataclasses.field(default_factory=collections.Counter)
     served: dict = dataclasses.field(default_factory=dict)  # chunk key -> tier
     fallbacks: list = dataclasses.field(default_factory=list)
+
+
+# A chunk claiming fewer stored bytes than this is read without asking its
+# size first: allocating it is harmless, and its read fails the checksum if
+# the object is smaller, while a size request per chunk would cost a restore
+# from GCS a round trip per leaf.
+VOUCH_MIN_BYTES = 256 << 20
 
 
 class ChunkReader:
@@ -132,8 +140,8 @@ class ChunkReader:
 
     def _unvouched(self, c: ChunkRecord) -> bool:
         tier = self.first_copy(c)
-        return tier is not None and self.storages[tier].sizes_from_manifest and \
-            (tier, c.key) not in self._vouched
+        return c.stored_nbytes >= VOUCH_MIN_BYTES and tier is not None and \
+            self.storages[tier].sizes_from_manifest and (tier, c.key) not in self._vouched
 
     def _vouch(self, c: ChunkRecord, where: str) -> None:
         tried = []
