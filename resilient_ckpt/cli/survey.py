@@ -83,9 +83,11 @@ def _inside(path: str, home: str) -> bool:
     return p == h or p.startswith(h.rstrip("/") + "/")
 
 
-def _checked(e: TierEntry, path: str) -> tuple[TierEntry | None, str | None]:
+def _checked(e: TierEntry, path: str, rec: tierrecord.TiersRecord
+             ) -> tuple[TierEntry | None, str | None]:
     """A recorded tier of local directory `path`, where it may be used: a
-    path in the directory, or a RAM tier's in /dev/shm that passes the
+    path in the directory, or a RAM tier's in /dev/shm, recorded for this
+    directory (not for the one it was moved or copied from), that passes the
     manager's own checks (`RamTier.open`: ours, not a link, not writable by
     others); else None and why it is not used. A URL is never followed."""
     where = tierrecord.place(e, path)
@@ -94,16 +96,22 @@ def _checked(e: TierEntry, path: str) -> tuple[TierEntry | None, str | None]:
                       f"tool reaches only when given it (--tier {e.name}=URL)")
     if e.kind not in ("ram", "local"):
         return None, f"kind {e.kind!r} is not a local tier's (ram, local)"
-    if not _inside(where, path) and not (e.kind == "ram" and _inside(where, SHM)):
+    inside = _inside(where, path)
+    if not inside and not (e.kind == "ram" and _inside(where, SHM)):
         return None, (f"{where} is outside {path}"
                       + (f" and {SHM}" if e.kind == "ram" else "")
                       + " (a moved or copied directory's record, or a hostile one); "
                       f"pass --tier {e.name}=PATH to use it")
-    if e.kind == "ram":
-        try:
+    try:
+        if not inside and not (rec.directory is not None and _inside(rec.directory, path)
+                               and _inside(path, rec.directory)) \
+                and where != RamTier().open(path, create=False).root:
+            return None, (f"recorded for {rec.directory or 'another directory'}, not "
+                          f"{path} (moved or copied?); pass --tier {e.name}=PATH to use it")
+        if e.kind == "ram":
             RamTier(path=where).open(path, create=False)
-        except UnsafeDirectoryError as x:
-            return None, str(x)
+    except UnsafeDirectoryError as x:
+        return None, str(x)
     return TierEntry(e.name, e.kind, where), None
 
 
@@ -118,9 +126,12 @@ def _recorded(path: str) -> tuple[tierrecord.TiersRecord | None, dict[str, TierE
         log.warning("tiers record ignored (%s); reading the directory itself and its "
                     "default RAM tier", x)
         return None, {}, []
-    used, ignored = {}, []
-    for e in rec.tiers if rec is not None else ():
-        ok, why = _checked(e, path)
+    if rec is None:
+        return None, {}, []
+    used: dict[str, TierEntry] = {}
+    ignored: list[tuple[TierEntry, str]] = []
+    for e in rec.tiers:
+        ok, why = _checked(e, path, rec)
         if ok is None:
             log.warning("%s/%s: tier %s (%s) ignored: %s", path, tierrecord.RECORD_NAME,
                         e.name, e.where, why)

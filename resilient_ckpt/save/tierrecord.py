@@ -24,14 +24,14 @@ from typing import Any, Protocol
 
 from ..core import strictjson
 from ..core.layout import StepNaming
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage import FileStorage, Storage
 
 log = logging.getLogger("resilient_ckpt")
 
 RECORD_NAME = ".rc-tiers.json"
 RECORD_FORMAT = "resilient_ckpt.tiers"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: places relative to the directory, and the directory itself
 _MAX_BYTES = 64 * 1024
 
 
@@ -49,6 +49,7 @@ class TierEntry:
 class TiersRecord:
     tiers: tuple[TierEntry, ...]
     naming: StepNaming
+    directory: str | None  # the absolute path it was written for (None: version 1)
 
 
 MAX_TIERS = 16
@@ -66,7 +67,7 @@ def encode(storages: Mapping[str, Storage], naming: StepNaming, home: str) -> by
         if "://" in url or not _within(url, home):
             return url
         return os.path.relpath(url, home)
-    doc = {"format": RECORD_FORMAT, "version": RECORD_VERSION,
+    doc = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "directory": home,
            "step_prefix": naming.prefix, "step_format_fixed_length": naming.fixed_length,
            "tiers": [{"name": n, "kind": s.kind, "where": where(s.url)}
                      for n, s in storages.items()]}
@@ -83,10 +84,20 @@ def decode(data: bytes, where: str) -> TiersRecord:
     `where` and the field."""
     r = strictjson.Reader(where)
     try:
-        d = r.obj(r.load(data), "the tiers record", {"format", "version", "step_prefix",
-                                                     "step_format_fixed_length", "tiers"})
+        doc = r.load(data)
+        if not isinstance(doc, dict):
+            raise r.fail(f"the tiers record is not an object, got {strictjson.short(doc)}")
+        version = r.int_(doc.get("version"), "version", 1)
+        if version > RECORD_VERSION:
+            raise UnsupportedFormatError(f"{where}: version {version} is newer than this "
+                                         f"reader's ({RECORD_VERSION}): upgrade to read it")
+        d = r.obj(doc, "the tiers record", {"format", "version", "step_prefix",
+                                            "step_format_fixed_length", "tiers"}
+                  | ({"directory"} if version >= 2 else set()))
         r.str_(d["format"], "format", {RECORD_FORMAT})
-        r.int_(d["version"], "version", RECORD_VERSION, RECORD_VERSION)
+        home = _text(r, d["directory"], "directory", _MAX_WHERE) if version >= 2 else None
+        if home is not None and not home.startswith("/"):
+            raise r.fail(f"directory must be an absolute path, got {strictjson.short(home)}")
         prefix, fixed = d["step_prefix"], d["step_format_fixed_length"]
         if prefix is not None:
             _text(r, prefix, "step_prefix", _MAX_NAME)
@@ -98,7 +109,7 @@ def decode(data: bytes, where: str) -> TiersRecord:
             tiers.append(TierEntry(_text(r, t["name"], f"tiers[{i}].name", _MAX_NAME),
                                    _text(r, t["kind"], f"tiers[{i}].kind", _MAX_NAME),
                                    _text(r, t["where"], f"tiers[{i}].where", _MAX_WHERE)))
-        return TiersRecord(tuple(tiers), StepNaming(prefix, fixed))
+        return TiersRecord(tuple(tiers), StepNaming(prefix, fixed), home)
     except CorruptCheckpointError as e:
         raise type(e)(f"{e}; {_ADVICE}") from None
 
@@ -107,9 +118,10 @@ def _text(r: strictjson.Reader, v: Any, ctx: str, max_len: int) -> str:
     """A non-empty string of at most `max_len` characters, without NUL or `/`
     in a name (a `where` may hold `/`)."""
     s = r.str_(v, ctx)
-    if not 0 < len(s) <= max_len or "\0" in s or (not ctx.endswith("where") and "/" in s):
+    path = ctx.endswith(("where", "directory"))
+    if not 0 < len(s) <= max_len or "\0" in s or (not path and "/" in s):
         raise r.fail(f"{ctx} must be 1 to {max_len} characters without NUL"
-                     + ("" if ctx.endswith("where") else " or '/'")
+                     + ("" if path else " or '/'")
                      + f", got {strictjson.short(s)}")
     return s
 

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as hst
 
-from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
 from resilient_ckpt.core import layout
 from resilient_ckpt.errors import CheckpointError
 from resilient_ckpt.save import tierrecord
@@ -55,7 +55,10 @@ def leftover(root: pathlib.Path) -> pathlib.Path:
 
 def write_record(d: pathlib.Path, tiers: object, **top: object) -> None:
     doc = {"format": tierrecord.RECORD_FORMAT, "version": tierrecord.RECORD_VERSION,
-           "step_prefix": None, "step_format_fixed_length": None, "tiers": tiers} | top
+           "directory": str(d), "step_prefix": None, "step_format_fixed_length": None,
+           "tiers": tiers} | top
+    if doc["version"] == 1:
+        del doc["directory"]
     (d / RECORD_NAME).write_text(json.dumps(doc))
 
 
@@ -146,7 +149,8 @@ def test_a_copied_directory_verifies_its_own_chunks(ckpt, tmp_path, record):
 
 
 def test_gc_apply_on_a_copy_leaves_the_original(ckpt, tmp_path):
-    write_record(ckpt, [{"name": "local", "kind": "local", "where": str(ckpt)}])
+    write_record(ckpt, [{"name": "local", "kind": "local", "where": str(ckpt)}],
+                 version=1)  # as a manager before relative paths wrote it
     copy = tmp_path / "copy"
     shutil.copytree(ckpt, copy)
     kept = leftover(ckpt)
@@ -154,6 +158,21 @@ def test_gc_apply_on_a_copy_leaves_the_original(ckpt, tmp_path):
     p = run("gc", copy, "--apply")
     assert kept.exists() and not gone.exists()
     assert str(ckpt) in p.stderr and "outside" in p.stderr
+
+
+def test_a_copy_leaves_the_originals_ram_tier_alone(tmp_path, ram_path):
+    d = tmp_path / "ckpt"
+    opts = CheckpointManagerOptions(tiers=(RamTier(path=ram_path), LocalTier()))
+    with CheckpointManager(d, options=opts) as m:
+        m.save(1, args=ocp.args.StandardSave({"a": np.arange(64, dtype=np.float32)}))
+    assert [t["name"] for t in js("ls", d)["tiers"]] == ["ram", "local"]
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy)
+    kept = leftover(pathlib.Path(ram_path))
+    p = run("gc", copy, "--apply")
+    assert kept.exists()
+    assert ram_path in p.stderr and str(d) in p.stderr
+    assert [t["name"] for t in js("ls", copy)["tiers"]] == ["local"]
 
 
 DEEP = b'{"tiers": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -175,7 +194,8 @@ HOSTILE = {
 def hostile_doc(case: str) -> dict:
     ok = [{"name": "local", "kind": "local", "where": "."}]
     doc = {"format": tierrecord.RECORD_FORMAT, "version": tierrecord.RECORD_VERSION,
-           "step_prefix": None, "step_format_fixed_length": None, "tiers": ok}
+           "directory": "/ckpt", "step_prefix": None, "step_format_fixed_length": None,
+           "tiers": ok}
     return doc | {
         "huge_fixed_length": {"step_format_fixed_length": 10**15},
         "huge_prefix": {"step_prefix": "p" * 60_000},
@@ -258,7 +278,7 @@ def test_fuzz_mutated_records_decode_cleanly(edits):
                      lambda c: hst.lists(c, max_size=4) | hst.dictionaries(hst.text(), c,
                                                                            max_size=4)),
        hst.sampled_from(["format", "version", "step_prefix", "step_format_fixed_length",
-                         "tiers", "extra"]))
+                         "directory", "tiers", "extra"]))
 def test_fuzz_any_json_value_in_any_field_decodes_cleanly(value, field):
     doc = json.loads(VALID) | {field: value}
     outcome(json.dumps(doc).encode())
