@@ -85,11 +85,17 @@ def test_gc_apply_cleans_nothing_outside_the_directory(ckpt, tmp_path, monkeypat
     assert js("ls", ckpt)["steps"][0]["step"] == 1  # the directory itself still read
 
 
-def test_gc_apply_never_cleans_an_unsafe_ram_directory(ckpt, tmp_path):
+@pytest.mark.parametrize("unsafe", ["world-writable", "another user's"])
+def test_gc_apply_never_cleans_an_unsafe_ram_directory(ckpt, tmp_path, unsafe):
+    if unsafe == "another user's" and os.geteuid() != 0:
+        pytest.skip("only root can give a directory to another user")
     shared = pathlib.Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         kept = leftover(shared)
-        os.chmod(shared, 0o777)  # anyone's to change: the manager refuses it
+        if unsafe == "world-writable":  # anyone's to change: the manager refuses it
+            os.chmod(shared, 0o777)
+        else:  # mode 0700, but nobody's (uid 65534): the manager refuses it
+            os.chown(shared, 65534, 65534)
         elsewhere = tmp_path / "notram"
         kept2 = leftover(elsewhere)
         write_record(ckpt, [{"name": "ram", "kind": "ram", "where": str(shared)},
@@ -97,7 +103,8 @@ def test_gc_apply_never_cleans_an_unsafe_ram_directory(ckpt, tmp_path):
                             {"name": "local", "kind": "local", "where": "."}])
         p = run("gc", ckpt, "--apply")
         assert kept.exists() and kept2.exists()
-        assert "writable by group or others" in p.stderr and str(shared) in p.stderr
+        why = "writable by group or others" if unsafe == "world-writable" else "another user"
+        assert why in p.stderr and str(shared) in p.stderr
         out = js("ls", ckpt)
         assert [t["name"] for t in out["tiers"]] == ["local"]
         assert sorted(t["name"] for t in out["ignored"]) == ["ram", "ram2"]
