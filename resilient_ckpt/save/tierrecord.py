@@ -174,6 +174,9 @@ def read(directory: str) -> TiersRecord | None:
     CorruptCheckpointError when it is not a valid one. Its places are hints
     (`place`): a reader checks each before it uses it."""
     st = FileStorage(directory, "local", create=False)
-    if st.size(RECORD_NAME) is None:
+    if st.size(RECORD_NAME) is None:  # none, or not a regular file (never followed)
+        if os.path.lexists(os.path.join(st.root, RECORD_NAME)):
+            raise CorruptCheckpointError(f"{st.url}/{RECORD_NAME}: not a regular file (a "
+                                         f"link, FIFO or directory), not read; {_ADVICE}")
         return None
     return decode(st.read(RECORD_NAME, max_bytes=_MAX_BYTES), f"{st.url}/{RECORD_NAME}")

@@ -289,3 +289,20 @@ def test_fuzz_mutated_records_decode_cleanly(edits):
 def test_fuzz_any_json_value_in_any_field_decodes_cleanly(value, field):
     doc = json.loads(VALID) | {field: value}
     outcome(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("what", ["too large", "fifo", "link to /dev/zero", "directory"])
+def test_a_record_that_is_no_small_regular_file_is_ignored(ckpt, what):
+    rec = ckpt / RECORD_NAME
+    rec.unlink()
+    if what == "too large":
+        rec.write_bytes(b" " * (1 << 20))
+    elif what == "fifo":
+        os.mkfifo(rec)  # opened without O_NONBLOCK, a read would hang
+    elif what == "link to /dev/zero":
+        os.symlink("/dev/zero", rec)
+    else:
+        rec.mkdir()
+    p = run("ls", ckpt, "--json")
+    assert json.loads(p.stdout)["steps"][0]["step"] == 1
+    assert RECORD_NAME in p.stderr and "ignored" in p.stderr, p.stderr
