@@ -112,6 +112,8 @@ def cmd_ls(dr: survey.Directory, args: argparse.Namespace) -> int:
     steps = survey.survey(dr)
     if args.json:
         _print_json({"directory": dr.path, "tiers": _tiers_json(dr), "recorded": dr.recorded,
+                     "ignored": [{"name": e.name, "kind": e.kind, "where": e.where, "why": why}
+                                 for e, why in dr.ignored],
                      "steps": [{"step": s.step, "viable": s.viable, "reason": s.reason,
                                 "copies": [vars(c) | {"writers": list(c.writers)}
                                            for c in s.copies]} for s in steps]})
@@ -120,6 +122,8 @@ def cmd_ls(dr: survey.Directory, args: argparse.Namespace) -> int:
     _say(f"{dr.path}: tiers ({src})")
     for e, _ in dr.tiers:
         _say(f"  {e.name:<8} {e.kind:<6} {e.where}")
+    for e, why in dr.ignored:
+        _say(f"  {e.name:<8} {e.kind:<6} {e.where}  not used: {why}")
     if not steps:
         _say("no steps")
     for s in steps:

@@ -1,8 +1,11 @@
 """What a checkpoint directory holds, as the command-line tool reports it.
 
-It finds the directory's tiers (the tiers record at its root, tierrecord.py;
-else the directory itself and the default RAM tier; `--tier NAME=PATH`
-overrides either), observes every tier with the manager's own reading code
+It finds the directory's tiers (the tiers record at its root, tierrecord.py,
+as a hint: a recorded tier is used only inside the directory, or as a RAM
+tier under /dev/shm that passes the manager's checks, never at a URL, and a
+record that is not valid is ignored, each with a warning; else the directory
+itself and the default RAM tier; `--tier NAME=PATH` overrides either),
+observes every tier with the manager's own reading code
 (`tier_steps.observe`, manifest parsing), judges each step with `selection`
 (`viable`, and `why_not` for the reason), and adds what the manager does not
 need to see: step directories with no manifest and who was writing them
@@ -13,6 +16,7 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -23,12 +27,14 @@ from ..catalog import tier_steps
 from ..compat import orbax_steps as legacy
 from ..core import codec, layout, selection
 from ..core.manifest import ChunkRecord, Manifest
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeDirectoryError
 from ..native import crc32c
 from ..save import claim, tierrecord
 from ..save.tierrecord import TierEntry
 from ..storage import FileStorage, Storage
-from ..tiers import RamTier
+from ..tiers import SHM, RamTier
+
+log = logging.getLogger("resilient_ckpt")
 
 _RANK = {"ram": 0, "local": 1, "gcs": 2}
 
@@ -41,6 +47,7 @@ class Directory:
     tiers: tuple[tuple[TierEntry, Storage], ...]
     naming: layout.StepNaming
     recorded: bool  # the tiers came from the directory's tiers record
+    ignored: tuple[tuple[TierEntry, str], ...] = ()  # recorded, not used: why
 
     @property
     def names(self) -> list[str]:
@@ -70,18 +77,82 @@ def _override(spec: str) -> TierEntry:
     return TierEntry(name, kind, where if "://" in where else os.path.abspath(where))
 
 
+def _inside(path: str, home: str) -> bool:
+    """`path` is `home` or in it, links resolved."""
+    p, h = os.path.realpath(path), os.path.realpath(home)
+    return p == h or p.startswith(h.rstrip("/") + "/")
+
+
+def _checked(e: TierEntry, path: str, rec: tierrecord.TiersRecord
+             ) -> tuple[TierEntry | None, str | None]:
+    """A recorded tier of local directory `path`, where it may be used: a
+    path in the directory, or a RAM tier's in /dev/shm, recorded for this
+    directory (not for the one it was moved or copied from), that passes the
+    manager's own checks (`RamTier.open`: ours, not a link, not writable by
+    others); else None and why it is not used. A URL is never followed."""
+    where = tierrecord.place(e, path)
+    if "://" in where:
+        return None, ("not followed: the record names a network place, which this "
+                      f"tool reaches only when given it (--tier {e.name}=URL)")
+    if e.kind not in ("ram", "local"):
+        return None, f"kind {e.kind!r} is not a local tier's (ram, local)"
+    inside = _inside(where, path)
+    if not inside and not (e.kind == "ram" and _inside(where, SHM)):
+        return None, (f"{where} is outside {path}"
+                      + (f" and {SHM}" if e.kind == "ram" else "")
+                      + " (a moved or copied directory's record, or a hostile one); "
+                      f"pass --tier {e.name}=PATH to use it")
+    try:
+        if not inside and not (rec.directory is not None and _inside(rec.directory, path)
+                               and _inside(path, rec.directory)) \
+                and where != RamTier().open(path, create=False).root:
+            return None, (f"recorded for {rec.directory or 'another directory'}, not "
+                          f"{path} (moved or copied?); pass --tier {e.name}=PATH to use it")
+        if e.kind == "ram":
+            RamTier(path=where).open(path, create=False)
+    except UnsafeDirectoryError as x:
+        return None, str(x)
+    return TierEntry(e.name, e.kind, where), None
+
+
+def _recorded(path: str) -> tuple[tierrecord.TiersRecord | None, dict[str, TierEntry],
+                                  list[tuple[TierEntry, str]]]:
+    """The record of local directory `path` (None when it has none or it is
+    not valid, with a warning), its tiers that may be used, and the others
+    with why not (each warned of)."""
+    try:
+        rec = tierrecord.read(path)
+    except (CorruptCheckpointError, OSError) as x:
+        log.warning("tiers record ignored (%s); reading the directory itself and its "
+                    "default RAM tier", x)
+        return None, {}, []
+    if rec is None:
+        return None, {}, []
+    used: dict[str, TierEntry] = {}
+    ignored: list[tuple[TierEntry, str]] = []
+    for e in rec.tiers:
+        ok, why = _checked(e, path, rec)
+        if ok is None:
+            log.warning("%s/%s: tier %s (%s) ignored: %s", path, tierrecord.RECORD_NAME,
+                        e.name, e.where, why)
+            ignored.append((e, why or ""))
+        else:
+            used[e.name] = ok
+    return rec, used, ignored
+
+
 def open_directory(path: str, overrides: Sequence[str] = ()) -> Directory:
-    """The tiers of `path`: its tiers record, else the directory itself (and
-    the default RAM tier of that directory when it exists), then `overrides`
-    (NAME=PATH) replacing or adding tiers by name. ValueError when the
-    directory is none of ours and no tier was given."""
+    """The tiers of `path`: those of its tiers record that may be used
+    (`_checked`), else (none recorded, or none usable) the directory itself
+    and its default RAM tier when that exists, then `overrides` (NAME=PATH)
+    replacing or adding tiers by name. ValueError when the directory is none
+    of ours and no tier was given. A gs:// directory has no record (a
+    manager writes none there): its defaults are used."""
     remote = path.startswith("gs://")
     home: Storage = _open(TierEntry("local", "gcs" if remote else "local", path))
-    rec = tierrecord.read(path, home) if remote or os.path.isdir(path) else None
-    entries: dict[str, TierEntry] = {}
-    if rec is not None:
-        entries = {e.name: e for e in rec.tiers}
-    elif remote or os.path.isdir(path):
+    rec, entries, ignored = _recorded(path) if not remote and os.path.isdir(path) \
+        else (None, {}, [])
+    if not entries and (remote or os.path.isdir(path)):
         ram = RamTier().open(path, create=False).root
         if os.path.isdir(ram):
             entries["ram"] = TierEntry("ram", "ram", ram)
@@ -94,7 +165,8 @@ def open_directory(path: str, overrides: Sequence[str] = ()) -> Directory:
         raise ValueError(f"{path}: no such directory, and no --tier NAME=PATH given")
     order = sorted(entries.values(), key=lambda e: _RANK.get(e.kind, 1))
     return Directory(path, tuple((e, _open(e)) for e in order),
-                     rec.naming if rec else layout.StepNaming(), rec is not None)
+                     rec.naming if rec else layout.StepNaming(), rec is not None,
+                     tuple((e, why) for e, why in ignored if e.name not in entries))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .codec import CODECS  # the one list of codec names
 from .strictjson import MAX_INT, Reader, short
 
 FORMAT_NAME = "resilient_ckpt"
+MAX_CREATED = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a date can hold
 FORMAT_VERSION = 2  # 2: a trailing manifest_crc32c; version 1 (none) is still read
 LEAF_KINDS = ("array", "prng_key", "numpy", "numpy_scalar", "scalar", "none")
 ARRAY_KINDS = ("array", "prng_key", "numpy", "numpy_scalar")  # leaves with chunks
@@ -461,8 +462,9 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
     created = d["created"]
     if type(created) is int and abs(created) <= MAX_INT:
         created = float(created)
-    if type(created) is not float or not math.isfinite(created):
-        raise r.fail(f"created must be a finite number, got {short(created)}")
+    if type(created) is not float or not 0 <= created <= MAX_CREATED:
+        raise r.fail(f"created must be a finite number in [0, {MAX_CREATED:.0f}] (a Unix "
+                     f"time up to the year 9999), got {short(created)}")
     items = [_parse_item(r, it, f"items[{i}]") for i, it in enumerate(r.list_(d["items"],
                                                                                 "items"))]
     names = [it.name for it in items]

@@ -46,7 +46,7 @@ def test_the_tiers_are_recorded_at_the_root(ckpt):
     d, ram = ckpt
     rec = json.loads((d / RECORD_NAME).read_text())
     assert [(t["name"], t["kind"], t["where"]) for t in rec["tiers"]] == \
-        [("ram", "ram", str(ram)), ("local", "local", str(d))]
+        [("ram", "ram", str(ram)), ("local", "local", ".")]  # its own place: relative
     out = js("ls", d)
     assert out["recorded"] and [t["name"] for t in out["tiers"]] == ["ram", "local"]
 
@@ -209,16 +209,20 @@ def test_a_gcs_tier_is_listed_and_verified(gcs, url, tmp_path, ram_path, mesh):
         m.save(1, args=ocp.args.StandardSave(state(mesh, 1)))
         m.wait_until_finished()
     env = {"STORAGE_EMULATOR_HOST": gcs.endpoint}
-    out = js("ls", d, env=env)
+    out = js("ls", d, env=env)  # a URL in the record is listed, never followed
+    assert [(t["name"], t["where"]) for t in out["tiers"]] == [("ram", ram_path)]
+    assert [(t["name"], t["where"]) for t in out["ignored"]] == [("gcs", url)]
+    assert "not followed" in out["ignored"][0]["why"]
+    out = js("ls", d, "--tier", f"gcs={url}", env=env)
     assert [(t["name"], t["where"]) for t in out["tiers"]] == [("ram", ram_path), ("gcs", url)]
     assert [(c["tier"], c["problem"]) for c in out["steps"][0]["copies"]] == \
         [("ram", None), ("gcs", None)]
-    assert js("verify", d, "-q", env=env)["chunks"] == 18
+    assert js("verify", d, "--tier", f"gcs={url}", "-q", env=env)["chunks"] == 18
     bare = js("ls", url, env=env)  # a gs:// directory alone: its one GCS tier
     assert [t["name"] for t in bare["tiers"]] == ["gcs"] and bare["steps"][0]["viable"]
     victim = chunks(pathlib.Path(ram_path) / "1")[0]
     GcsStorage(url, endpoint=gcs.endpoint).delete(f"1/{victim}")
-    out = js("verify", d, 1, "-q", code=1, env=env)
+    out = js("verify", d, 1, "-q", "--tier", f"gcs={url}", code=1, env=env)
     assert [(x["tier"], x["key"]) for x in out["defects"]] == [("gcs", victim)]
     assert "missing" in out["defects"][0]["problem"]
 

@@ -193,9 +193,14 @@ def test_the_command_line_lists_and_verifies_an_s3_tier(s3, mesh, ram_path, tmp_
                          text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "testing" not in (tmp_path / "a" / ".rc-tiers.json").read_text()
+    # The recorded URL is listed, not followed; the store is read when given.
+    assert [t["where"] for t in json.loads(out.stdout)["ignored"]] == [url]
+    out = subprocess.run(tool + ["ls", str(tmp_path / "a"), "--tier", f"s3={url}", "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
     listed = json.loads(out.stdout)
     s3_steps = [s for s in listed["steps"] for c in s["copies"] if c["tier"] == "s3"]
     assert url in json.dumps(listed) and s3_steps and s3_steps[0]["step"] == 3, listed
-    ok = subprocess.run(tool + ["verify", str(tmp_path / "a"), "3"], capture_output=True,
-                        text=True, timeout=120, env=env)
+    ok = subprocess.run(tool + ["verify", str(tmp_path / "a"), "3", "--tier", f"s3={url}"],
+                        capture_output=True, text=True, timeout=120, env=env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
