@@ -15,8 +15,11 @@ group is in host memory at a time, `max(group_bytes, largest leaf)` bytes
 (a list or tuple node and everything under it go in one group, since
 Orbax's partial save adds leaves by key), plus Orbax's own copy of that group
 while it writes and the reader's staging budget. Everything is built in a
-temporary directory inside `dest` and renamed into place last, so a failed
-export leaves nothing at `<dest>/<step>`.
+temporary directory inside `dest` (each item's partial saves beside the step,
+not in it) and the step renamed into place last, so the step holds exactly
+what Orbax writes and a failed export leaves nothing at `<dest>/<step>`, nor
+a `dest` it created. Every item name and the step's name (read from storage)
+must be one path component (`layout.check_name`) before anything is written.
 
 `import_step` reads an Orbax checkpoint (a step directory an Orbax
 CheckpointManager wrote, such a manager's root with `step`, or a directory a
@@ -57,6 +60,7 @@ _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler." 
     "StandardCheckpointHandler"
 _JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 _META = "_CHECKPOINT_METADATA"
+_COMMIT = "commit_success.txt"
 
 
 class ExportError(CheckpointError, ValueError):
@@ -136,8 +140,11 @@ def _orbax_leaf(v: Any) -> Any:
     return np.asarray(v) if isinstance(v, np.generic) else v  # Orbax v1 has no numpy scalars
 
 
-def _export_item(item: ItemRecord, reader: ChunkReader, out: str, budget: int) -> int:
-    """Writes one item's Orbax directory at `out`; returns the partial saves made."""
+def _export_item(item: ItemRecord, reader: ChunkReader, out: str, build: str,
+                 budget: int) -> int:
+    """Writes one item's Orbax directory at `out`, built at `build` (outside
+    the step, so nothing of the build is left in it); returns the partial
+    saves made."""
     import orbax.checkpoint as ocp
     if item.kind == "json":
         os.makedirs(out)
@@ -147,7 +154,6 @@ def _export_item(item: ItemRecord, reader: ChunkReader, out: str, budget: int) -
     if not item.leaves or not item.leaves[0].path:
         raise ExportError(f"item {item.name!r} is {'empty' if not item.leaves else 'one bare leaf'}"
                           "; Orbax's partial save needs a tree of named leaves")
-    build = f"{out}.build"
     groups = _groups(item.leaves, budget)
     for idx in groups:
         recs = [item.leaves[i] for i in idx]
@@ -157,7 +163,34 @@ def _export_item(item: ItemRecord, reader: ChunkReader, out: str, budget: int) -
         del values
     partial.finalize(build)
     os.rename(os.path.join(build, "state"), out)
+    _commit_marker(out, out)
     return len(groups)
+
+
+def _commit_marker(path: str, final: str) -> None:
+    """The commit file Orbax's own save leaves in a step and in each pytree item."""
+    with open(os.path.join(path, _COMMIT), "w") as f:
+        f.write(f"Checkpoint commit was successful to {final}")
+
+
+def _make_dirs(path: str) -> list[str]:
+    """Creates `path` and its missing parents; returns those it created, deepest first."""
+    made = []
+    p = path
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        made.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def _remove_dirs(made: list[str]) -> None:
+    """Removes the directories `_make_dirs` created, where they are still empty."""
+    for p in made:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return  # something else put a file there since: it stays
 
 
 def _step_metadata(m: Manifest) -> bytes:
@@ -185,27 +218,36 @@ def export_step(directory: str, step: int, dest: str, tier: str | None = None,
     t0 = time.perf_counter()
     dr = survey.open_directory(str(directory), tier_overrides)
     choice = _choice(dr, step, tier)
-    final = os.path.join(os.path.abspath(dest), dr.naming.name(step))
+    m, where = choice.manifest, f"step {step} of {directory}"
+    for it in m.items:  # every name from storage is one path component, before any write
+        layout.check_name(it.name, f"item name in {where}:")
+    final = os.path.join(os.path.abspath(dest),
+                         layout.check_name(dr.naming.name(step), f"step name of {where}:"))
     if os.path.lexists(final):
         raise ExportError(f"{final} already exists; export step {step} elsewhere or remove it")
-    os.makedirs(os.path.dirname(final), exist_ok=True)
+    made = _make_dirs(os.path.dirname(final))
     tmp = os.path.join(os.path.dirname(final), f".rc-export.{step}.{uuid.uuid4().hex[:8]}")
     storages = {e.name: st for e, st in dr.tiers}
     reader = ChunkReader(storages, dr.naming, choice, set(), RestoreRecord(step), budget)
-    m, groups = choice.manifest, 0
+    groups, done = 0, False
     try:
         os.makedirs(os.path.join(tmp, "step"))
-        for it in m.items:
-            groups += _export_item(it, reader, os.path.join(tmp, "step", it.name), group_bytes)
+        for i, it in enumerate(m.items):
+            groups += _export_item(it, reader, os.path.join(tmp, "step", it.name),
+                                   os.path.join(tmp, f"build.{i}"), group_bytes)
         with open(os.path.join(tmp, "step", _META), "wb") as f:
             f.write(_step_metadata(m))
+        _commit_marker(os.path.join(tmp, "step"), final)
         os.rename(os.path.join(tmp, "step"), final)
+        done = True
     except CheckpointError as e:
         raise type(e)(f"export of step {step} from {directory} failed, nothing was left "
                       f"at {final}: {e}") from e
     finally:
         reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            _remove_dirs(made)
     leaves = sum(len(it.leaves) for it in m.items)
     return Moved(step, final, tuple(it.name for it in m.items), leaves, m.nbytes, groups,
                  time.perf_counter() - t0)
