@@ -24,8 +24,12 @@ must be one path component (`layout.check_name`) before anything is written.
 `import_step` reads an Orbax checkpoint (a step directory an Orbax
 CheckpointManager wrote, such a manager's root with `step`, or a directory a
 StandardCheckpointer wrote) and saves it through our CheckpointManager as a
-committed step. Memory bound: the whole step, once, in host memory (Orbax
-restores each item whole, and our save takes the step in one call).
+committed step. Nothing of that directory is trusted: compat/foreign.py
+checks every file before Orbax reads it (no link or special file, strict
+JSON, array names that stay inside the item, sizes this host can hold), and
+a step named past the step range is no step. Memory bound: the whole step,
+once, in host memory (Orbax restores each item whole, and our save takes
+the step in one call).
 Both run in one process (a single-host job's directory).
 """
 from __future__ import annotations
@@ -45,11 +49,12 @@ import numpy as np
 from etils import epath
 
 from ..catalog import tier_steps
-from ..compat import args as args_lib
+from ..compat import args as args_lib, foreign
 from ..core import layout, selection
 from ..core.manifest import DTYPES, ItemRecord, LeafRecord, Manifest, path_str
 from ..core.pytree import build_nested
 from ..core.sharding import rebuild
+from ..core.strictjson import short
 from ..errors import CheckpointError, StepNotFoundError
 from ..restore.assemble import LeafTarget, restore_leaves
 from ..restore.reader import ChunkReader, RestoreRecord
@@ -255,17 +260,26 @@ def export_step(directory: str, step: int, dest: str, tier: str | None = None,
 
 # ---------------------------------------------------------------- import
 
+def _number(name: str) -> int | None:
+    """The step a directory's name ends in, when it is a step number."""
+    m = re.search(r"(?:^|_)([0-9]+)$", name)
+    return int(m.group(1)) if m and int(m.group(1)) <= layout.MAX_STEP else None
+
+
 def _orbax_step_dir(src: str, step: int | None) -> tuple[str, int | None]:
     """The Orbax step (or StandardCheckpointer) directory `src` means, and its step."""
-    if os.path.exists(os.path.join(src, "_METADATA")) or \
-            os.path.exists(os.path.join(src, _META)):
-        m = re.search(r"(\d+)$", os.path.basename(os.path.normpath(src)))
-        return src, step if step is not None else (int(m.group(1)) if m else None)
+    if os.path.lexists(os.path.join(src, "_METADATA")) or \
+            os.path.lexists(os.path.join(src, _META)):
+        name = os.path.basename(os.path.normpath(src))
+        if step is None and re.search(r"[0-9]$", name) and _number(name) is None:
+            raise ExportError(f"{src}: {short(name)} is not a step number (steps are whole "
+                              f"numbers in [0, {layout.MAX_STEP}]); give one (--step N)")
+        return src, step if step is not None else _number(name)
     found = {}
     for name in os.listdir(src) if os.path.isdir(src) else ():
-        m = re.fullmatch(r"(?:.*_)?(\d+)", name)
-        if m and os.path.exists(os.path.join(src, name, _META)):
-            found[int(m.group(1))] = name
+        n = _number(name)  # a name past the step range is no step
+        if n is not None and os.path.lexists(os.path.join(src, name, _META)):
+            found[n] = name
     if not found:
         raise StepNotFoundError(f"{src}: not an Orbax checkpoint (no {_META} or _METADATA, "
                                 "and no step directories holding one)")
@@ -281,19 +295,19 @@ def _is_json(meta: dict, item: str) -> bool:
 
 def _orbax_items(path: str) -> tuple[dict[str, Any], dict]:
     """Each item of an Orbax step directory restored (`default` for a bare
-    StandardCheckpointer directory), and the step's metadata."""
-    import orbax.checkpoint as ocp
-    if os.path.exists(os.path.join(path, "_METADATA")):
-        return {args_lib.DEFAULT_ITEM: ocp.StandardCheckpointer().restore(path)}, {}
-    with open(os.path.join(path, _META), "rb") as f:
-        meta = json.load(f)
+    StandardCheckpointer directory), and the step's metadata; every file
+    checked first (compat/foreign.py)."""
+    foreign.check_entries(path)
+    if os.path.lexists(os.path.join(path, "_METADATA")):
+        return {args_lib.DEFAULT_ITEM: foreign.read_pytree(path)}, {}
+    meta = foreign.step_metadata(path)
     out: dict[str, Any] = {}
     for name in sorted(os.listdir(path)):
         sub = os.path.join(path, name)
-        if os.path.exists(os.path.join(sub, "_METADATA")):
-            out[name] = ocp.StandardCheckpointer().restore(sub)
+        if foreign.is_item(sub):
+            out[layout.check_name(name, f"item name in {path}:")] = foreign.read_pytree(sub)
         elif os.path.isdir(sub) and _is_json(meta, name):
-            out[name] = ocp.JsonCheckpointHandler().restore(epath.Path(sub))
+            out[layout.check_name(name, f"item name in {path}:")] = foreign.read_json_item(sub)
     if not out:
         raise ExportError(f"{path}: an Orbax step with no item this import can read "
                           "(pytree or JSON)")
@@ -309,7 +323,7 @@ def import_step(src: str, dest: str, step: int | None = None, options: Any = Non
     from ..manager import CheckpointManager
     step = None if step is None else layout.check_step(step, "import")
     t0 = time.perf_counter()
-    path, n = _orbax_step_dir(os.path.abspath(src), step)
+    path, n = _orbax_step_dir(os.path.abspath(src), step)  # Orbax's steps: see foreign.py
     if n is None:
         raise ExportError(f"{src}: a StandardCheckpointer directory has no step number; "
                           "give one (--step N)")
