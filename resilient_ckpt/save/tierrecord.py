@@ -18,7 +18,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ..core import layout
 from ..core.layout import StepNaming
+from ..core.strictjson import short
 from ..storage import FileStorage, Storage
 
 log = logging.getLogger("resilient_ckpt")
@@ -65,7 +67,13 @@ def decode(data: bytes, where: str) -> TiersRecord:
         if not (prefix is None or isinstance(prefix, str)) or \
                 not (fixed is None or type(fixed) is int):
             raise ValueError("step_prefix or step_format_fixed_length has the wrong type")
-        return TiersRecord(tiers, StepNaming(prefix, fixed))
+        if fixed is not None and not 0 <= fixed <= layout.MAX_NAME_BYTES:
+            raise ValueError(f"step_format_fixed_length {short(fixed)} is not in "
+                             f"[0, {layout.MAX_NAME_BYTES}]")
+        naming = StepNaming(prefix, fixed)  # its names become paths: one component each
+        layout.check_name(naming.name(0), "with step_prefix "
+                          f"{short(prefix)}, a step's name")
+        return TiersRecord(tiers, naming)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{where}: not a valid tiers record ({type(e).__name__}: {e}); "
                          "pass the tiers with --tier NAME=PATH, or open the directory "

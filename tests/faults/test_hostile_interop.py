@@ -301,3 +301,15 @@ def test_fuzzed_orbax_metadata_gets_only_clean_errors(template, tmp_path_factory
         interop.import_step(step, work / "ours")
     except CheckpointError as e:
         assert "Traceback" not in str(e)
+
+
+@pytest.mark.parametrize("field,value", [("step_prefix", "../up"), ("step_prefix", "a/b"),
+                                         ("step_format_fixed_length", 10**12)])
+def test_a_tiers_record_whose_step_names_are_not_one_component_is_refused(
+        tmp_path, field, value):
+    d = ours(tmp_path / "ours", ["default"])
+    rec = d / ".rc-tiers.json"
+    _rewrite(rec, lambda doc: {**doc, field: value})
+    p = run("export", d, 5, tmp_path / "dest", code=2)
+    assert field in p.stderr and str(rec) in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ours"]
