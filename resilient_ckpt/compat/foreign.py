@@ -15,10 +15,12 @@ one path component (`layout.check_name`); and the arrays' and chunks' sizes
 (Orbax's metadata, read without the data) must fit in this host's memory,
 which holds the whole step during an import. Whatever Orbax still raises on
 content these checks let through becomes a CorruptCheckpointError naming
-the item.
+the item. `check_step` is the same checks for an Orbax step that a manager
+reads in place (compat/orbax_steps.py).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import stat
@@ -126,21 +128,45 @@ def check_sizes(item: str, meta: Any) -> None:
                 "metadata is damaged or hostile (or import it on a larger host)")
 
 
-def read_pytree(item: str) -> Any:
-    """A pytree item (or a StandardCheckpointer directory) restored by Orbax
-    after the checks above; Orbax's own failures name the item."""
-    import orbax.checkpoint as ocp
-    check_pytree(item)
+@contextlib.contextmanager
+def _orbax_errors(item: str):
+    """Orbax's failures on a damaged item (of every class) as one naming it."""
     try:
-        with ocp.StandardCheckpointer() as c:
-            check_sizes(item, c.metadata(item).item_metadata)
-            return c.restore(item)
+        yield
     except CheckpointError:
         raise
-    except Exception as e:  # Orbax's errors on a damaged item are of every class
+    except Exception as e:
         raise CorruptCheckpointError(f"{item}: Orbax could not read this item "
                                      f"({type(e).__name__}: {short(str(e))}); the step is "
-                                     "damaged: nothing was imported") from e
+                                     "damaged: it was not read") from e
+
+
+def check_item(item: str) -> None:
+    """A pytree item's (or a StandardCheckpointer directory's) metadata: its
+    keys (`check_pytree`), then its arrays' sizes from Orbax's metadata."""
+    import orbax.checkpoint as ocp
+    check_pytree(item)
+    with _orbax_errors(item), ocp.StandardCheckpointer() as c:
+        check_sizes(item, c.metadata(item).item_metadata)
+
+
+def read_pytree(item: str) -> Any:
+    """A pytree item (or a StandardCheckpointer directory) restored by Orbax
+    after `check_item`; Orbax's own failures name the item."""
+    import orbax.checkpoint as ocp
+    check_item(item)
+    with _orbax_errors(item), ocp.StandardCheckpointer() as c:
+        return c.restore(item)
+
+
+def check_step(step: str, items: bool = True) -> None:
+    """Everything above for an Orbax step directory, before Orbax reads it
+    (its items' metadata only when `items`)."""
+    check_entries(step)
+    step_metadata(step)
+    for name in sorted(os.listdir(step)) if items else ():
+        if is_item(os.path.join(step, name)):
+            check_item(os.path.join(step, name))
 
 
 def read_json_item(item: str) -> Any:

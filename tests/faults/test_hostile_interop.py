@@ -313,3 +313,33 @@ def test_a_tiers_record_whose_step_names_are_not_one_component_is_refused(
     p = run("export", d, 5, tmp_path / "dest", code=2)
     assert field in p.stderr and str(rec) in p.stderr
     assert sorted(os.listdir(tmp_path)) == ["ours"]
+
+
+# ---------------------------------------------------------------- Orbax steps read in place
+
+def _absolute_key(step, tmp_path):
+    outside = orbax_step(tmp_path / "elsewhere")
+    target = str(outside / "default" / "a")
+
+    def point_outside(doc):
+        meta = doc["tree_metadata"].pop("('a',)")
+        meta["key_metadata"][0]["key"] = target
+        doc["tree_metadata"][repr((target,))] = meta
+        return doc
+
+    _rewrite(step / "default" / "_METADATA", point_outside)
+
+
+def _huge_chunks(step, tmp_path):
+    _rewrite(step / "default" / "a" / ".zarray", lambda doc: {**doc, "chunks": [2**40, 2**20]})
+
+
+@pytest.mark.parametrize("damage", [_absolute_key, _huge_chunks])
+def test_a_manager_reading_an_orbax_step_in_place_checks_it_first(tmp_path, damage):
+    step = orbax_step(tmp_path / "theirs")
+    damage(step, tmp_path)
+    with CheckpointManager(tmp_path / "theirs") as m:
+        assert m.all_steps() == [1]
+        for read in (lambda: m.restore(1), lambda: m.item_metadata(1)):
+            with pytest.raises(CorruptCheckpointError, match=str(step / "default")):
+                read()
