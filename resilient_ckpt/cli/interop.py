@@ -260,9 +260,10 @@ def export_step(directory: str, step: int, dest: str, tier: str | None = None,
 
 # ---------------------------------------------------------------- import
 
-def _number(name: str) -> int | None:
-    """The step a directory's name ends in, when it is a step number."""
-    m = re.search(r"(?:^|_)([0-9]+)$", name)
+def _number(name: str, listed: bool) -> int | None:
+    """The step a directory's name ends in (a listed one: `<n>` or
+    `<prefix>_<n>`), when it is a step number; a name past the range is no step."""
+    m = re.fullmatch(r"(?:.*_)?([0-9]+)", name) if listed else re.search(r"([0-9]+)$", name)
     return int(m.group(1)) if m and int(m.group(1)) <= layout.MAX_STEP else None
 
 
@@ -271,13 +272,13 @@ def _orbax_step_dir(src: str, step: int | None) -> tuple[str, int | None]:
     if os.path.lexists(os.path.join(src, "_METADATA")) or \
             os.path.lexists(os.path.join(src, _META)):
         name = os.path.basename(os.path.normpath(src))
-        if step is None and re.search(r"[0-9]$", name) and _number(name) is None:
+        if step is None and re.search(r"[0-9]$", name) and _number(name, False) is None:
             raise ExportError(f"{src}: {short(name)} is not a step number (steps are whole "
                               f"numbers in [0, {layout.MAX_STEP}]); give one (--step N)")
-        return src, step if step is not None else _number(name)
+        return src, step if step is not None else _number(name, False)
     found = {}
     for name in os.listdir(src) if os.path.isdir(src) else ():
-        n = _number(name)  # a name past the step range is no step
+        n = _number(name, True)
         if n is not None and os.path.lexists(os.path.join(src, name, _META)):
             found[n] = name
     if not found:

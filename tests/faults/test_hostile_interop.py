@@ -255,15 +255,23 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     | st.text(max_size=8),
                     lambda kids: st.lists(kids, max_size=4)
                     | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
-FILES = ["_CHECKPOINT_METADATA", "default/_METADATA", "default/a/.zarray", "default/_sharding"]
+FILES = ["_CHECKPOINT_METADATA", "default/_METADATA", "default/a/.zarray",
+         "default/b.c/.zarray", "extra/metadata"]
 
 
 @st.composite
 def mutations(draw, template):
-    """(file, new bytes): random JSON, or the file's own JSON with one value replaced."""
-    where = draw(st.sampled_from([f for f in FILES if (template / f).exists()]))
-    if draw(st.booleans()):
+    """(file, new bytes): random JSON, random bytes, the file cut short, or the
+    file's own JSON with one value replaced."""
+    where = draw(st.sampled_from(FILES))
+    how = draw(st.sampled_from(["json", "bytes", "cut", "replace", "replace"]))
+    if how == "json":
         return where, json.dumps(draw(JSON)).encode()
+    if how == "bytes":
+        return where, draw(st.binary(max_size=64))
+    if how == "cut":
+        data = (template / where).read_bytes()
+        return where, data[:draw(st.integers(0, len(data) - 1))]
     doc = json.loads((template / where).read_text())
     spots, todo = [], [((), doc)]
     while todo:
@@ -284,11 +292,11 @@ def mutations(draw, template):
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
-    return orbax_step(tmp_path_factory.mktemp("fuzz") / "theirs")
+    return orbax_step(tmp_path_factory.mktemp("fuzz") / "theirs", json_item=True)
 
 
 @given(data=st.data())
-@settings(max_examples=effort.examples(25), deadline=None,
+@settings(max_examples=effort.examples(40), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 def test_fuzzed_orbax_metadata_gets_only_clean_errors(template, tmp_path_factory, data):
