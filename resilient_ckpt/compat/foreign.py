@@ -10,8 +10,8 @@ CorruptCheckpointError naming the file: every entry under the step is a
 directory or a regular file, never followed (`check_entries`); the JSON it
 reads (`_CHECKPOINT_METADATA`, `_METADATA`, a JSON item) goes through the
 guarded file storage read (regular files only, O_NONBLOCK, bounded size) and
-the strict JSON reader (bounded nesting, typed fields); every array key is
-one path component (`layout.check_name`); and the arrays' and chunks' sizes
+the strict JSON reader (bounded nesting, typed fields); every array key that
+names a directory is one path component (`layout.check_name`); and the arrays' and chunks' sizes
 (Orbax's metadata, read without the data) must fit in this host's memory,
 which holds the whole step during an import. Whatever Orbax still raises on
 content these checks let through becomes a CorruptCheckpointError naming
@@ -89,22 +89,31 @@ def step_metadata(step: str) -> dict:
 
 
 def check_pytree(item: str) -> None:
-    """An item's `_METADATA`: every array key one path component."""
+    """An item's `_METADATA`: every array key that names a file one path
+    component. In an OCDBT item (`use_ocdbt`) keys name entries of its
+    database, never files, so a key there may hold `/` (Haiku's
+    `mlp/~/linear_0`); elsewhere each array is a directory named by its keys."""
     r = Reader(os.path.join(item, PYTREE_METADATA))
     doc = read_json(item, PYTREE_METADATA)
     if not isinstance(doc, dict):
         raise r.fail(f"not a JSON object, got {short(doc)}")
-    tree = doc.get("tree_metadata")
+    tree, ocdbt = doc.get("tree_metadata"), doc.get("use_ocdbt", False)
     if not isinstance(tree, dict):
         raise r.fail(f"tree_metadata must be an object, got {short(tree)}")
+    if not isinstance(ocdbt, bool):
+        raise r.fail(f"use_ocdbt must be true or false, got {short(ocdbt)}")
     for name, leaf in tree.items():
         ctx = f"tree_metadata[{short(name)}]"
         if not isinstance(leaf, dict):
             raise r.fail(f"{ctx} must be an object, got {short(leaf)}")
         for i, k in enumerate(r.list_(leaf.get("key_metadata"), f"{ctx}.key_metadata", 1000)):
-            key = k.get("key") if isinstance(k, dict) else None
-            if type(key) is not int:  # an index names no file; a key must be one name
-                layout.check_name(key, f"{r.where}: {ctx}.key_metadata[{i}].key")
+            key, where = k.get("key") if isinstance(k, dict) else None, f"{ctx}.key_metadata[{i}]"
+            if type(key) is int:  # an index: digits, a name of its own
+                continue
+            if not ocdbt:
+                layout.check_name(key, f"{r.where}: {where}.key")
+            elif not isinstance(key, str):
+                raise r.fail(f"{where}.key must be a string or an integer, got {short(key)}")
 
 
 def check_sizes(item: str, meta: Any) -> None:

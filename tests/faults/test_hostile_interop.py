@@ -351,3 +351,17 @@ def test_a_manager_reading_an_orbax_step_in_place_checks_it_first(tmp_path, dama
         for read in (lambda: m.restore(1), lambda: m.item_metadata(1)):
             with pytest.raises(CorruptCheckpointError, match=str(step / "default")):
                 read()
+
+
+def test_an_ocdbt_item_keeps_keys_with_slashes_and_never_reads_outside(tmp_path):
+    src = tmp_path / "haiku"
+    with ocp.StandardCheckpointer() as c:  # Haiku names modules 'mlp/~/linear_0'
+        c.save(src, {"mlp/~/linear_0": {"w": np.arange(3.0)}})
+    interop.import_step(src, tmp_path / "ours", step=1)
+    with CheckpointManager(tmp_path / "ours") as m:
+        got = m.restore(1)
+    assert np.asarray(got["mlp/~/linear_0"]["w"]).tobytes() == np.arange(3.0).tobytes()
+    step = orbax_step(tmp_path / "theirs", ocdbt=True)
+    _absolute_key(step, tmp_path)  # in an OCDBT item a key names no file: nothing is found
+    with pytest.raises(CorruptCheckpointError, match=str(step / "default")):
+        interop.import_step(step, tmp_path / "ours2")
