@@ -66,10 +66,7 @@ BAD_NAMES = ["..", "../evil", "a/b", "x" * 300, "nul\x00byte"]
 def test_export_refuses_an_item_name_that_is_not_one_path_component(tmp_path, name):
     if name == "ABS":
         name = str(tmp_path / "outside")
-    try:
-        d = ours(tmp_path / "ours", [name])
-    except (ValueError, TypeError, OSError):  # refused at save: nothing to export
-        return
+    d = ours(tmp_path / "ours", [name])  # a save takes any item name: chunks are not named by it
     dest = tmp_path / "dest"
     with pytest.raises(CorruptCheckpointError, match="item name .*one path component"):
         interop.export_step(d, 5, dest)
