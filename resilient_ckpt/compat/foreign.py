@@ -168,6 +168,19 @@ def read_pytree(item: str) -> Any:
         return c.restore(item)
 
 
+def check_files(paths: list[str]) -> None:
+    """Each of `paths` that exists is a regular file (never opened here)."""
+    for p in paths:
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(
+                f"{p}: not a regular file, and Orbax would open it; nothing was read: "
+                "remove it")
+
+
 def check_step(step: str, items: bool = True) -> None:
     """Everything above for an Orbax step directory, before Orbax reads it
     (its items' metadata only when `items`)."""

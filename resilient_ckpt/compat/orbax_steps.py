@@ -39,8 +39,13 @@ def orbax_steps(storage: Storage, naming: layout.StepNaming) -> set[int]:
 def _checked(directory: str, naming: layout.StepNaming, step: int, items: bool = True) -> None:
     """The step's files checked before Orbax reads them (its items' too, unless
     only the step's own metadata is read)."""
-    if "://" not in directory:  # a remote step is read by Orbax's own clients
-        foreign.check_step(os.path.join(directory, naming.name(step)), items)
+    if "://" in directory:  # a remote step is read by Orbax's own clients
+        return
+    foreign.check_step(os.path.join(directory, naming.name(step)), items)
+    # Orbax's manager, opened to read it, reads every step's commit file too
+    foreign.check_files([os.path.join(directory, "metadata", "_ROOT_METADATA")] + [
+        os.path.join(directory, n, ORBAX_COMMIT_FILE)
+        for n in os.listdir(directory) if naming.parse(n) is not None])
 
 
 def _manager(directory: str, naming: layout.StepNaming):

@@ -185,6 +185,28 @@ def _unblock(fifo):
         pass
 
 
+def _raised_within(fn, fifo, seconds=30):
+    """What `fn()` raised (None if nothing), run in a thread; the test fails
+    if it is still blocked after `seconds` (the FIFO is then opened to free it)."""
+    out: list = []
+
+    def go():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            out.append(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        _unblock(fifo)
+        t.join(5)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    return out[0]
+
+
 @pytest.mark.parametrize("where", ["_CHECKPOINT_METADATA", "default/_METADATA",
                                    "default/a/.zarray", "default/a/0.0", "extra/metadata"])
 def test_a_fifo_anywhere_in_the_step_is_refused_without_a_hang(tmp_path, where):
@@ -192,24 +214,9 @@ def test_a_fifo_anywhere_in_the_step_is_refused_without_a_hang(tmp_path, where):
     fifo = step / where
     os.remove(fifo)
     os.mkfifo(fifo)
-    out: list = []
-
-    def go():
-        try:
-            interop.import_step(step, tmp_path / "ours")
-            out.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            out.append(e)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(30)
-    if t.is_alive():
-        _unblock(fifo)
-        t.join(5)
-        pytest.fail(f"import hung on a FIFO at {where}")
-    assert isinstance(out[0], CheckpointError), out[0]
-    assert where.rpartition("/")[2] in str(out[0]) and "regular file" in str(out[0])
+    err = _raised_within(lambda: interop.import_step(step, tmp_path / "ours"), fifo)
+    assert isinstance(err, CheckpointError), err
+    assert where.rpartition("/")[2] in str(err) and "regular file" in str(err)
 
 
 @pytest.mark.parametrize("where,content", [
@@ -362,3 +369,16 @@ def test_an_ocdbt_item_keeps_keys_with_slashes_and_never_reads_outside(tmp_path)
     _absolute_key(step, tmp_path)  # in an OCDBT item a key names no file: nothing is found
     with pytest.raises(CorruptCheckpointError, match=str(step / "default")):
         interop.import_step(step, tmp_path / "ours2")
+
+
+def test_a_fifo_in_another_orbax_step_is_refused_without_a_hang(tmp_path):
+    root = tmp_path / "theirs"
+    orbax_step(root, step=1)
+    orbax_step(root, step=2)
+    fifo = root / "2" / "_CHECKPOINT_METADATA"  # Orbax's manager reads every step's
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    with CheckpointManager(root) as m:
+        assert m.all_steps() == [1, 2]
+        err = _raised_within(lambda: m.restore(1), fifo)
+    assert isinstance(err, CorruptCheckpointError) and str(fifo) in str(err), err
