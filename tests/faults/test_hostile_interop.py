@@ -259,24 +259,25 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     | st.text(max_size=8),
                     lambda kids: st.lists(kids, max_size=4)
                     | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
-FILES = ["_CHECKPOINT_METADATA", "default/_METADATA", "default/a/.zarray",
-         "default/b.c/.zarray", "extra/metadata"]
-
-
 @st.composite
 def mutations(draw, template):
-    """(file, new bytes): random JSON, random bytes, the file cut short, or the
-    file's own JSON with one value replaced."""
-    where = draw(st.sampled_from(FILES))
+    """(file, new bytes) for any file of the step: random JSON, random bytes,
+    the file cut short, or (a JSON file) its own JSON with one value replaced."""
+    files = sorted(os.path.relpath(os.path.join(r, f), template)
+                   for r, _, fs in os.walk(template) for f in fs)
+    where = draw(st.sampled_from(files))
+    data = (template / where).read_bytes()
     how = draw(st.sampled_from(["json", "bytes", "cut", "replace", "replace"]))
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        how = how if how != "replace" else "bytes"
     if how == "json":
         return where, json.dumps(draw(JSON)).encode()
     if how == "bytes":
         return where, draw(st.binary(max_size=64))
     if how == "cut":
-        data = (template / where).read_bytes()
-        return where, data[:draw(st.integers(0, len(data) - 1))]
-    doc = json.loads((template / where).read_text())
+        return where, data[:draw(st.integers(0, max(0, len(data) - 1)))]
     spots, todo = [], [((), doc)]
     while todo:
         path, v = todo.pop()
@@ -294,9 +295,10 @@ def mutations(draw, template):
     return where, json.dumps(doc).encode()
 
 
-@pytest.fixture(scope="module")
-def template(tmp_path_factory):
-    return orbax_step(tmp_path_factory.mktemp("fuzz") / "theirs", json_item=True)
+@pytest.fixture(scope="module", params=["zarr", "ocdbt"])
+def template(tmp_path_factory, request):
+    return orbax_step(tmp_path_factory.mktemp("fuzz") / "theirs", ocdbt=request.param == "ocdbt",
+                      json_item=True)
 
 
 @given(data=st.data())
