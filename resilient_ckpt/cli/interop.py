@@ -294,6 +294,18 @@ def _is_json(meta: dict, item: str) -> bool:
     return "Json" in str((meta.get("item_handlers") or {}).get(item, ""))
 
 
+def _json_item(path: str) -> Any:
+    """A JSON item's value, when a JSON item of ours can hold it."""
+    value = foreign.read_json_item(path)
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ExportError(f"{path}: this JSON item holds NaN or Infinity, which Orbax's JSON "
+                          "allows and a JSON item of ours does not; nothing was imported: "
+                          "import it without this item, or replace those values") from None
+    return value
+
+
 def _orbax_items(path: str) -> tuple[dict[str, Any], dict]:
     """Each item of an Orbax step directory restored (`default` for a bare
     StandardCheckpointer directory), and the step's metadata; every file
@@ -308,7 +320,7 @@ def _orbax_items(path: str) -> tuple[dict[str, Any], dict]:
         if foreign.is_item(sub):
             out[layout.check_name(name, f"item name in {path}:")] = foreign.read_pytree(sub)
         elif os.path.isdir(sub) and _is_json(meta, name):
-            out[layout.check_name(name, f"item name in {path}:")] = foreign.read_json_item(sub)
+            out[layout.check_name(name, f"item name in {path}:")] = _json_item(sub)
     if not out:
         raise ExportError(f"{path}: an Orbax step with no item this import can read "
                           "(pytree or JSON)")

@@ -232,6 +232,7 @@ def test_a_fifo_anywhere_in_the_step_is_refused_without_a_hang(tmp_path, where):
     ("default/a/.zarray", '{"shape": "big"}'),
     ("default/a/.zarray", "[]"),
     ("extra/metadata", "[" * 100000),
+    ("extra/metadata", '{"lr": Infinity}'),  # Orbax's JSON takes it; ours does not
 ])
 def test_malformed_metadata_is_a_clean_error_naming_the_file(tmp_path, where, content):
     step = orbax_step(tmp_path / "theirs", json_item=True)
