@@ -15,14 +15,21 @@ group is in host memory at a time, `max(group_bytes, largest leaf)` bytes
 (a list or tuple node and everything under it go in one group, since
 Orbax's partial save adds leaves by key), plus Orbax's own copy of that group
 while it writes and the reader's staging budget. Everything is built in a
-temporary directory inside `dest` and renamed into place last, so a failed
-export leaves nothing at `<dest>/<step>`.
+temporary directory inside `dest` (each item's partial saves beside the step,
+not in it) and the step renamed into place last, so the step holds exactly
+what Orbax writes and a failed export leaves nothing at `<dest>/<step>`, nor
+a `dest` it created. Every item name and the step's name (read from storage)
+must be one path component (`layout.check_name`) before anything is written.
 
 `import_step` reads an Orbax checkpoint (a step directory an Orbax
 CheckpointManager wrote, such a manager's root with `step`, or a directory a
 StandardCheckpointer wrote) and saves it through our CheckpointManager as a
-committed step. Memory bound: the whole step, once, in host memory (Orbax
-restores each item whole, and our save takes the step in one call).
+committed step. Nothing of that directory is trusted: compat/foreign.py
+checks every file before Orbax reads it (no link or special file, strict
+JSON, array names that stay inside the item, sizes this host can hold), and
+a step named past the step range is no step. Memory bound: the whole step,
+once, in host memory (Orbax restores each item whole, and our save takes
+the step in one call).
 Both run in one process (a single-host job's directory).
 """
 from __future__ import annotations
@@ -42,11 +49,12 @@ import numpy as np
 from etils import epath
 
 from ..catalog import tier_steps
-from ..compat import args as args_lib
+from ..compat import args as args_lib, foreign
 from ..core import layout, selection
 from ..core.manifest import DTYPES, ItemRecord, LeafRecord, Manifest, path_str
 from ..core.pytree import build_nested
 from ..core.sharding import rebuild
+from ..core.strictjson import short
 from ..errors import CheckpointError, StepNotFoundError
 from ..restore.assemble import LeafTarget, restore_leaves
 from ..restore.reader import ChunkReader, RestoreRecord
@@ -57,6 +65,7 @@ _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler." 
     "StandardCheckpointHandler"
 _JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 _META = "_CHECKPOINT_METADATA"
+_COMMIT = "commit_success.txt"
 
 
 class ExportError(CheckpointError, ValueError):
@@ -136,8 +145,11 @@ def _orbax_leaf(v: Any) -> Any:
     return np.asarray(v) if isinstance(v, np.generic) else v  # Orbax v1 has no numpy scalars
 
 
-def _export_item(item: ItemRecord, reader: ChunkReader, out: str, budget: int) -> int:
-    """Writes one item's Orbax directory at `out`; returns the partial saves made."""
+def _export_item(item: ItemRecord, reader: ChunkReader, out: str, build: str,
+                 budget: int) -> int:
+    """Writes one item's Orbax directory at `out`, built at `build` (outside
+    the step, so nothing of the build is left in it); returns the partial
+    saves made."""
     import orbax.checkpoint as ocp
     if item.kind == "json":
         os.makedirs(out)
@@ -147,7 +159,6 @@ def _export_item(item: ItemRecord, reader: ChunkReader, out: str, budget: int) -
     if not item.leaves or not item.leaves[0].path:
         raise ExportError(f"item {item.name!r} is {'empty' if not item.leaves else 'one bare leaf'}"
                           "; Orbax's partial save needs a tree of named leaves")
-    build = f"{out}.build"
     groups = _groups(item.leaves, budget)
     for idx in groups:
         recs = [item.leaves[i] for i in idx]
@@ -157,7 +168,34 @@ def _export_item(item: ItemRecord, reader: ChunkReader, out: str, budget: int) -
         del values
     partial.finalize(build)
     os.rename(os.path.join(build, "state"), out)
+    _commit_marker(out, out)
     return len(groups)
+
+
+def _commit_marker(path: str, final: str) -> None:
+    """The commit file Orbax's own save leaves in a step and in each pytree item."""
+    with open(os.path.join(path, _COMMIT), "w") as f:
+        f.write(f"Checkpoint commit was successful to {final}")
+
+
+def _make_dirs(path: str) -> list[str]:
+    """Creates `path` and its missing parents; returns those it created, deepest first."""
+    made = []
+    p = path
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        made.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def _remove_dirs(made: list[str]) -> None:
+    """Removes the directories `_make_dirs` created, where they are still empty."""
+    for p in made:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return  # something else put a file there since: it stays
 
 
 def _step_metadata(m: Manifest) -> bytes:
@@ -185,27 +223,36 @@ def export_step(directory: str, step: int, dest: str, tier: str | None = None,
     t0 = time.perf_counter()
     dr = survey.open_directory(str(directory), tier_overrides)
     choice = _choice(dr, step, tier)
-    final = os.path.join(os.path.abspath(dest), dr.naming.name(step))
+    m, where = choice.manifest, f"step {step} of {directory}"
+    for it in m.items:  # every name from storage is one path component, before any write
+        layout.check_name(it.name, f"item name in {where}:")
+    final = os.path.join(os.path.abspath(dest),
+                         layout.check_name(dr.naming.name(step), f"step name of {where}:"))
     if os.path.lexists(final):
         raise ExportError(f"{final} already exists; export step {step} elsewhere or remove it")
-    os.makedirs(os.path.dirname(final), exist_ok=True)
+    made = _make_dirs(os.path.dirname(final))
     tmp = os.path.join(os.path.dirname(final), f".rc-export.{step}.{uuid.uuid4().hex[:8]}")
     storages = {e.name: st for e, st in dr.tiers}
     reader = ChunkReader(storages, dr.naming, choice, set(), RestoreRecord(step), budget)
-    m, groups = choice.manifest, 0
+    groups, done = 0, False
     try:
         os.makedirs(os.path.join(tmp, "step"))
-        for it in m.items:
-            groups += _export_item(it, reader, os.path.join(tmp, "step", it.name), group_bytes)
+        for i, it in enumerate(m.items):
+            groups += _export_item(it, reader, os.path.join(tmp, "step", it.name),
+                                   os.path.join(tmp, f"build.{i}"), group_bytes)
         with open(os.path.join(tmp, "step", _META), "wb") as f:
             f.write(_step_metadata(m))
+        _commit_marker(os.path.join(tmp, "step"), final)
         os.rename(os.path.join(tmp, "step"), final)
+        done = True
     except CheckpointError as e:
         raise type(e)(f"export of step {step} from {directory} failed, nothing was left "
                       f"at {final}: {e}") from e
     finally:
         reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            _remove_dirs(made)
     leaves = sum(len(it.leaves) for it in m.items)
     return Moved(step, final, tuple(it.name for it in m.items), leaves, m.nbytes, groups,
                  time.perf_counter() - t0)
@@ -213,17 +260,27 @@ def export_step(directory: str, step: int, dest: str, tier: str | None = None,
 
 # ---------------------------------------------------------------- import
 
+def _number(name: str, listed: bool) -> int | None:
+    """The step a directory's name ends in (a listed one: `<n>` or
+    `<prefix>_<n>`), when it is a step number; a name past the range is no step."""
+    m = re.fullmatch(r"(?:.*_)?([0-9]+)", name) if listed else re.search(r"([0-9]+)$", name)
+    return int(m.group(1)) if m and int(m.group(1)) <= layout.MAX_STEP else None
+
+
 def _orbax_step_dir(src: str, step: int | None) -> tuple[str, int | None]:
     """The Orbax step (or StandardCheckpointer) directory `src` means, and its step."""
-    if os.path.exists(os.path.join(src, "_METADATA")) or \
-            os.path.exists(os.path.join(src, _META)):
-        m = re.search(r"(\d+)$", os.path.basename(os.path.normpath(src)))
-        return src, step if step is not None else (int(m.group(1)) if m else None)
+    if os.path.lexists(os.path.join(src, "_METADATA")) or \
+            os.path.lexists(os.path.join(src, _META)):
+        name = os.path.basename(os.path.normpath(src))
+        if step is None and re.search(r"[0-9]$", name) and _number(name, False) is None:
+            raise ExportError(f"{src}: {short(name)} is not a step number (steps are whole "
+                              f"numbers in [0, {layout.MAX_STEP}]); give one (--step N)")
+        return src, step if step is not None else _number(name, False)
     found = {}
     for name in os.listdir(src) if os.path.isdir(src) else ():
-        m = re.fullmatch(r"(?:.*_)?(\d+)", name)
-        if m and os.path.exists(os.path.join(src, name, _META)):
-            found[int(m.group(1))] = name
+        n = _number(name, True)
+        if n is not None and os.path.lexists(os.path.join(src, name, _META)):
+            found[n] = name
     if not found:
         raise StepNotFoundError(f"{src}: not an Orbax checkpoint (no {_META} or _METADATA, "
                                 "and no step directories holding one)")
@@ -237,21 +294,33 @@ def _is_json(meta: dict, item: str) -> bool:
     return "Json" in str((meta.get("item_handlers") or {}).get(item, ""))
 
 
+def _json_item(path: str) -> Any:
+    """A JSON item's value, when a JSON item of ours can hold it."""
+    value = foreign.read_json_item(path)
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ExportError(f"{path}: this JSON item holds NaN or Infinity, which Orbax's JSON "
+                          "allows and a JSON item of ours does not; nothing was imported: "
+                          "import it without this item, or replace those values") from None
+    return value
+
+
 def _orbax_items(path: str) -> tuple[dict[str, Any], dict]:
     """Each item of an Orbax step directory restored (`default` for a bare
-    StandardCheckpointer directory), and the step's metadata."""
-    import orbax.checkpoint as ocp
-    if os.path.exists(os.path.join(path, "_METADATA")):
-        return {args_lib.DEFAULT_ITEM: ocp.StandardCheckpointer().restore(path)}, {}
-    with open(os.path.join(path, _META), "rb") as f:
-        meta = json.load(f)
+    StandardCheckpointer directory), and the step's metadata; every file
+    checked first (compat/foreign.py)."""
+    foreign.check_entries(path)
+    if os.path.lexists(os.path.join(path, "_METADATA")):
+        return {args_lib.DEFAULT_ITEM: foreign.read_pytree(path)}, {}
+    meta = foreign.step_metadata(path)
     out: dict[str, Any] = {}
     for name in sorted(os.listdir(path)):
         sub = os.path.join(path, name)
-        if os.path.exists(os.path.join(sub, "_METADATA")):
-            out[name] = ocp.StandardCheckpointer().restore(sub)
+        if foreign.is_item(sub):
+            out[layout.check_name(name, f"item name in {path}:")] = foreign.read_pytree(sub)
         elif os.path.isdir(sub) and _is_json(meta, name):
-            out[name] = ocp.JsonCheckpointHandler().restore(epath.Path(sub))
+            out[layout.check_name(name, f"item name in {path}:")] = _json_item(sub)
     if not out:
         raise ExportError(f"{path}: an Orbax step with no item this import can read "
                           "(pytree or JSON)")
@@ -267,7 +336,7 @@ def import_step(src: str, dest: str, step: int | None = None, options: Any = Non
     from ..manager import CheckpointManager
     step = None if step is None else layout.check_step(step, "import")
     t0 = time.perf_counter()
-    path, n = _orbax_step_dir(os.path.abspath(src), step)
+    path, n = _orbax_step_dir(os.path.abspath(src), step)  # Orbax's steps: see foreign.py
     if n is None:
         raise ExportError(f"{src}: a StandardCheckpointer directory has no step number; "
                           "give one (--step N)")

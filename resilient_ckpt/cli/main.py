@@ -313,7 +313,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from . import interop
     try:
         m = interop.import_step(args.directory, args.dest, step=args.step)
-    except StepNotFoundError as e:
+    except (StepNotFoundError, CorruptCheckpointError) as e:
         return _fail(str(e), 1)
     return _moved(m, args, "imported")
 

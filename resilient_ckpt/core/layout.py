@@ -9,7 +9,9 @@ start time, so a cleaner can tell a dead writer's leftovers from a live save.
 A step's claim, `claim.<i>-of-<n>.json` (claim.py), says which save may commit
 it; `.rc-writer.lock` in a file tier's root is the writer lock (writer_lock.py).
 What a step number may be is `check_step`'s, the one check every entry point
-that takes a step from a user (save, restore, delete, the CLI) makes.
+that takes a step from a user (save, restore, delete, the CLI) makes. What a
+name read from storage must be before it becomes part of a path (an item's
+name, an array's, a step directory's) is `check_name`'s: one path component.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import re
 import socket
 import uuid
 
+from ..errors import CorruptCheckpointError
 from .strictjson import MAX_INT, short
 
 MAX_STEP = MAX_INT  # a manifest's step field is bounded so
+MAX_NAME_BYTES = 255  # one path component, as every file system we write takes it
 MANIFEST_PREFIX = "manifest."  # every manifest's name starts so (for listing them)
 WRITER_LOCK = ".rc-writer.lock"  # in a file tier's root: flocked by the live writer
 _CLAIM_RE = re.compile(r"^claim\.(\d+)-of-(\d+)\.json$")
@@ -45,6 +49,25 @@ def check_step(step: object, what: str = "this call") -> int:
         raise ValueError(f"step {short(step)} ({type(step).__name__}) given to {what} is not "
                          f"a step number: steps are whole numbers in [0, {MAX_STEP}]")
     return n
+
+
+def check_name(name: object, what: str) -> str:
+    """`name` when it can be ONE path component: a non-empty string, not `.`
+    or `..`, without `/`, `\\` or NUL, at most MAX_NAME_BYTES bytes as a file
+    name; otherwise CorruptCheckpointError naming it and `what` (where it was
+    read). Every name read from storage passes here before it is joined to a
+    directory, so no such name can make a path reach outside it."""
+    try:
+        size = len(os.fsencode(name)) if isinstance(name, str) else 0
+    except UnicodeEncodeError:  # a surrogate no file name holds
+        size = 0
+    if not 0 < size <= MAX_NAME_BYTES or name in (".", "..") \
+            or any(c in name for c in "/\\\0"):  # type: ignore[operator]
+        raise CorruptCheckpointError(
+            f"{what} {short(name)} is not one path component (a non-empty name, not '.' "
+            f"or '..', without '/', '\\' or NUL, at most {MAX_NAME_BYTES} bytes); it was "
+            "not used as a path: the checkpoint is damaged or hostile")
+    return name  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ..core import strictjson
+from ..core import layout, strictjson
 from ..core.layout import StepNaming
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage import FileStorage, Storage
@@ -109,7 +109,10 @@ def decode(data: bytes, where: str) -> TiersRecord:
             tiers.append(TierEntry(_text(r, t["name"], f"tiers[{i}].name", _MAX_NAME),
                                    _text(r, t["kind"], f"tiers[{i}].kind", _MAX_NAME),
                                    _text(r, t["where"], f"tiers[{i}].where", _MAX_WHERE)))
-        return TiersRecord(tuple(tiers), StepNaming(prefix, fixed), home)
+        naming = StepNaming(prefix, fixed)  # its names become paths: one component each
+        layout.check_name(naming.name(0), f"{where}: with step_prefix "
+                          f"{strictjson.short(prefix)}, a step's name")
+        return TiersRecord(tuple(tiers), naming, home)
     except CorruptCheckpointError as e:
         raise type(e)(f"{e}; {_ADVICE}") from None
 

@@ -1,0 +1,388 @@
+"""`export` and `import` (cli/interop.py) given hostile names and hostile
+Orbax steps: names that are not one path component, metadata that points
+outside the step, shapes no memory holds, FIFOs, malformed and fuzzed JSON,
+step numbers past the range. Each gets a clean CheckpointError naming the
+file, leaf or step; nothing is written outside the destination, nothing hangs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier
+from resilient_ckpt.cli import interop
+from resilient_ckpt.core import layout
+from resilient_ckpt.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from tests.support import effort
+from tests.support.cli import run
+
+
+def tree(seed=0):
+    return {"a": np.arange(6, dtype=np.float32).reshape(2, 3) + seed,
+            "b": {"c": np.arange(4, dtype=np.int64)}}
+
+
+def ours(d, items):
+    """Step 5 of our format at `d` holding one StandardSave per item name."""
+    opts = CheckpointManagerOptions(tiers=[LocalTier()])
+    with CheckpointManager(d, options=opts) as m:
+        m.save(5, args=ocp.args.Composite(**{n: ocp.args.StandardSave(tree()) for n in items}))
+        m.wait_until_finished()
+    return d
+
+
+def orbax_step(root, step=1, ocdbt=False, json_item=False):
+    """An Orbax CheckpointManager step at `root/<step>` (zarr per array when
+    not `ocdbt`, so each array has its own directory and `.zarray`)."""
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)
+    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    reg.add("default", ocp.args.PyTreeSave, handler)
+    reg.add("default", ocp.args.PyTreeRestore, handler)
+    if json_item:
+        reg.add("extra", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        reg.add("extra", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
+    items = {"default": ocp.args.PyTreeSave(tree())}
+    if json_item:
+        items["extra"] = ocp.args.JsonSave({"lr": 0.1})
+    with ocp.CheckpointManager(root, handler_registry=reg) as m:
+        m.save(step, args=ocp.args.Composite(**items))
+        m.wait_until_finished()
+    return root / str(step)
+
+
+# ---------------------------------------------------------------- export
+
+BAD_NAMES = ["..", "../evil", "a/b", "x" * 300, "nul\x00byte"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES + ["ABS"])
+def test_export_refuses_an_item_name_that_is_not_one_path_component(tmp_path, name):
+    if name == "ABS":
+        name = str(tmp_path / "outside")
+    d = ours(tmp_path / "ours", [name])  # a save takes any item name: chunks are not named by it
+    dest = tmp_path / "dest"
+    with pytest.raises(CorruptCheckpointError, match="item name .*one path component"):
+        interop.export_step(d, 5, dest)
+    assert not dest.exists() and not (tmp_path / "outside").exists()
+    assert not (tmp_path / "evil").exists() and os.listdir(tmp_path) == ["ours"]
+
+
+def test_check_name_is_the_one_rule():
+    for good in ["default", "a.b", "step_7", "x" * 255]:
+        assert layout.check_name(good, "item name") == good
+    for bad in BAD_NAMES + ["", ".", "/abs", 7, None, "\udcff" * 300, "\ud800"]:
+        with pytest.raises(CorruptCheckpointError, match="one path component"):
+            layout.check_name(bad, "item name")
+
+
+def own(path):
+    return {n if not n.startswith("ocdbt.process_") else "ocdbt.process_*"
+            for n in os.listdir(path)}
+
+
+def test_an_exported_step_is_one_orbax_restores_without_args(tmp_path):
+    d = tmp_path / "ours"
+    with CheckpointManager(d, options=CheckpointManagerOptions(tiers=[LocalTier()])) as m:
+        m.save(5, args=ocp.args.StandardSave(tree()))
+        m.wait_until_finished()
+    dest, real = tmp_path / "orbax", tmp_path / "real"
+    interop.export_step(d, 5, dest, group_bytes=8)
+    with ocp.CheckpointManager(real) as theirs:  # the same step, written by Orbax itself
+        theirs.save(5, args=ocp.args.StandardSave(tree()))
+        theirs.wait_until_finished()
+    assert os.listdir(dest) == ["5"]  # no temporary left beside it
+    assert own(dest / "5") == own(real / "5")
+    # the same files in the item but for the ocdbt sub-stores' names (one per partial save)
+    assert own(dest / "5" / "default") == own(real / "5" / "default")
+    seen: list = []
+    for where in (dest, real):
+        with ocp.CheckpointManager(where) as theirs:
+            known = theirs.item_metadata(5) is not None  # Orbax 0.12.8: not before a restore
+            got = theirs.restore(5)  # no args: the way Orbax restores its own steps
+            assert theirs.item_metadata(5) is not None
+        seen.append(known)
+        assert np.asarray(got["a"]).tobytes() == tree()["a"].tobytes()
+        assert np.asarray(got["b"]["c"]).tobytes() == tree()["b"]["c"].tobytes()
+    assert seen[0] == seen[1]
+
+
+def test_a_failed_export_leaves_no_directory_it_created(tmp_path):
+    d = ours(tmp_path / "ours", ["default"])
+    for n in os.listdir(d / "5"):
+        if layout.is_chunk_name(n):  # every chunk damaged: the export fails part way
+            p = d / "5" / n
+            data = bytearray(p.read_bytes())
+            data[0] ^= 0xFF
+            p.write_bytes(bytes(data))
+    dest = tmp_path / "new" / "deeper"
+    with pytest.raises(CheckpointError, match="step 5"):
+        interop.export_step(d, 5, dest)
+    assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- import
+
+def _rewrite(path, fn):
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps(fn(doc)))
+
+
+def test_import_refuses_an_array_named_by_an_absolute_path(tmp_path):
+    outside = orbax_step(tmp_path / "elsewhere")  # arrays a step must not reach
+    step = orbax_step(tmp_path / "theirs")
+    target = str(outside / "default" / "a")
+
+    def point_outside(doc):
+        meta = doc["tree_metadata"].pop("('a',)")
+        meta["key_metadata"][0]["key"] = target
+        doc["tree_metadata"][repr((target,))] = meta
+        return doc
+
+    _rewrite(step / "default" / "_METADATA", point_outside)
+    with pytest.raises(CorruptCheckpointError, match="one path component"):
+        interop.import_step(step, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize("key", ["..", "../elsewhere", "a/b", ""])
+def test_import_refuses_array_keys_that_make_paths(tmp_path, key):
+    step = orbax_step(tmp_path / "theirs")
+
+    def rename(doc):
+        doc["tree_metadata"]["('a',)"]["key_metadata"][0]["key"] = key
+        return doc
+
+    _rewrite(step / "default" / "_METADATA", rename)
+    with pytest.raises(CorruptCheckpointError, match=r"_METADATA.*one path component"):
+        interop.import_step(step, tmp_path / "ours")
+
+
+def test_a_shape_no_memory_holds_is_refused_before_reading(tmp_path):
+    step = orbax_step(tmp_path / "theirs")
+
+    def huge(doc):
+        doc["shape"] = [2**40, 2**20]
+        doc["chunks"] = [2**40, 2**20]
+        return doc
+
+    _rewrite(step / "default" / "a" / ".zarray", huge)
+    # in a subprocess: before the fix this aborted the process (std::bad_alloc)
+    p = run("import", step, tmp_path / "ours", code=1, installed=True)
+    assert "bytes" in p.stderr and "default" in p.stderr and "Traceback" not in p.stderr
+
+
+def _unblock(fifo):
+    try:  # a reader still blocked on the FIFO gets EOF and lets the thread go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _raised_within(fn, fifo, seconds=30):
+    """What `fn()` raised (None if nothing), run in a thread; the test fails
+    if it is still blocked after `seconds` (the FIFO is then opened to free it)."""
+    out: list = []
+
+    def go():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            out.append(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        _unblock(fifo)
+        t.join(5)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    return out[0]
+
+
+@pytest.mark.parametrize("where", ["_CHECKPOINT_METADATA", "default/_METADATA",
+                                   "default/a/.zarray", "default/a/0.0", "extra/metadata"])
+def test_a_fifo_anywhere_in_the_step_is_refused_without_a_hang(tmp_path, where):
+    step = orbax_step(tmp_path / "theirs", json_item=True)
+    fifo = step / where
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    err = _raised_within(lambda: interop.import_step(step, tmp_path / "ours"), fifo)
+    assert isinstance(err, CheckpointError), err
+    assert where.rpartition("/")[2] in str(err) and "regular file" in str(err)
+
+
+@pytest.mark.parametrize("where,content", [
+    ("_CHECKPOINT_METADATA", "[]"),
+    ("_CHECKPOINT_METADATA", '{"item_handlers": 5}'),
+    ("_CHECKPOINT_METADATA", '{"metrics": [1]}'),
+    ("_CHECKPOINT_METADATA", "[" * 100000 + "]" * 100000),
+    ("_CHECKPOINT_METADATA", "not json"),
+    ("default/_METADATA", '{"tree_metadata": []}'),
+    ("default/_METADATA", '{"tree_metadata": {"x": 5}}'),
+    ("default/_METADATA", '{"tree_metadata": {"x": {"key_metadata": 3}}}'),
+    ("default/_METADATA", "{" * 100000),
+    ("default/a/.zarray", '{"shape": "big"}'),
+    ("default/a/.zarray", "[]"),
+    ("extra/metadata", "[" * 100000),
+    ("extra/metadata", '{"lr": Infinity}'),  # Orbax's JSON takes it; ours does not
+])
+def test_malformed_metadata_is_a_clean_error_naming_the_file(tmp_path, where, content):
+    step = orbax_step(tmp_path / "theirs", json_item=True)
+    (step / where).write_text(content)
+    with pytest.raises(CheckpointError) as e:
+        interop.import_step(step, tmp_path / "ours")
+    assert str(step) in str(e.value)
+
+
+def test_a_step_directory_past_the_step_range_is_refused(tmp_path):
+    root = tmp_path / "theirs"
+    orbax_step(root, step=3)
+    big = root / str(2**63)
+    os.rename(root / "3", big)
+    with pytest.raises(CheckpointError, match=str(2**63)):
+        interop.import_step(big, tmp_path / "ours")
+    with pytest.raises(StepNotFoundError, match="not an Orbax checkpoint"):
+        interop.import_step(root, tmp_path / "ours")  # not listed as a step
+    assert not (tmp_path / "ours").exists()
+
+
+# ---------------------------------------------------------------- fuzz
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+                    | st.text(max_size=8),
+                    lambda kids: st.lists(kids, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+@st.composite
+def mutations(draw, template):
+    """(file, new bytes) for any file of the step: random JSON, random bytes,
+    the file cut short, or (a JSON file) its own JSON with one value replaced."""
+    files = sorted(os.path.relpath(os.path.join(r, f), template)
+                   for r, _, fs in os.walk(template) for f in fs)
+    where = draw(st.sampled_from(files))
+    data = (template / where).read_bytes()
+    how = draw(st.sampled_from(["json", "bytes", "cut", "replace", "replace"]))
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        how = how if how != "replace" else "bytes"
+    if how == "json":
+        return where, json.dumps(draw(JSON)).encode()
+    if how == "bytes":
+        return where, draw(st.binary(max_size=64))
+    if how == "cut":
+        return where, data[:draw(st.integers(0, max(0, len(data) - 1)))]
+    spots, todo = [], [((), doc)]
+    while todo:
+        path, v = todo.pop()
+        spots.append(path)
+        kids = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        todo.extend(((*path, k), x) for k, x in kids)
+    path = draw(st.sampled_from(spots))
+    new = draw(JSON)
+    if not path:
+        return where, json.dumps(new).encode()
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = new
+    return where, json.dumps(doc).encode()
+
+
+@pytest.fixture(scope="module", params=["zarr", "ocdbt"])
+def template(tmp_path_factory, request):
+    return orbax_step(tmp_path_factory.mktemp("fuzz") / "theirs", ocdbt=request.param == "ocdbt",
+                      json_item=True)
+
+
+@given(data=st.data())
+@settings(max_examples=effort.examples(40), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+def test_fuzzed_orbax_metadata_gets_only_clean_errors(template, tmp_path_factory, data):
+    where, content = data.draw(mutations(template))
+    work = tmp_path_factory.mktemp("case")
+    step = work / "1"
+    shutil.copytree(template, step)
+    (step / where).write_bytes(content)
+    try:
+        interop.import_step(step, work / "ours")
+    except CheckpointError as e:
+        assert "Traceback" not in str(e)
+
+
+@pytest.mark.parametrize("field,value", [("step_prefix", "../up"), ("step_prefix", "a/b"),
+                                         ("step_format_fixed_length", 10**12)])
+def test_a_tiers_record_whose_step_names_are_not_one_component_is_ignored(
+        tmp_path, field, value):
+    d = ours(tmp_path / "ours", ["default"])
+    rec = d / ".rc-tiers.json"
+    _rewrite(rec, lambda doc: {**doc, field: value})
+    p = run("export", d, 5, tmp_path / "dest")  # the record is a hint: ignored, with a warning
+    assert field in p.stderr and str(rec) in p.stderr and "ignored" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["dest", "ours"]  # nothing made from its names
+    assert os.listdir(tmp_path / "dest") == ["5"]
+
+
+# ---------------------------------------------------------------- Orbax steps read in place
+
+def _absolute_key(step, tmp_path):
+    outside = orbax_step(tmp_path / "elsewhere")
+    target = str(outside / "default" / "a")
+
+    def point_outside(doc):
+        meta = doc["tree_metadata"].pop("('a',)")
+        meta["key_metadata"][0]["key"] = target
+        doc["tree_metadata"][repr((target,))] = meta
+        return doc
+
+    _rewrite(step / "default" / "_METADATA", point_outside)
+
+
+def _huge_chunks(step, tmp_path):
+    _rewrite(step / "default" / "a" / ".zarray", lambda doc: {**doc, "chunks": [2**40, 2**20]})
+
+
+@pytest.mark.parametrize("damage", [_absolute_key, _huge_chunks])
+def test_a_manager_reading_an_orbax_step_in_place_checks_it_first(tmp_path, damage):
+    step = orbax_step(tmp_path / "theirs")
+    damage(step, tmp_path)
+    with CheckpointManager(tmp_path / "theirs") as m:
+        assert m.all_steps() == [1]
+        for read in (lambda: m.restore(1), lambda: m.item_metadata(1)):
+            with pytest.raises(CorruptCheckpointError, match=str(step / "default")):
+                read()
+
+
+def test_an_ocdbt_item_keeps_keys_with_slashes_and_never_reads_outside(tmp_path):
+    src = tmp_path / "haiku"
+    with ocp.StandardCheckpointer() as c:  # Haiku names modules 'mlp/~/linear_0'
+        c.save(src, {"mlp/~/linear_0": {"w": np.arange(3.0)}})
+    interop.import_step(src, tmp_path / "ours", step=1)
+    with CheckpointManager(tmp_path / "ours") as m:
+        got = m.restore(1)
+    assert np.asarray(got["mlp/~/linear_0"]["w"]).tobytes() == np.arange(3.0).tobytes()
+    step = orbax_step(tmp_path / "theirs", ocdbt=True)
+    _absolute_key(step, tmp_path)  # in an OCDBT item a key names no file: nothing is found
+    with pytest.raises(CorruptCheckpointError, match=str(step / "default")):
+        interop.import_step(step, tmp_path / "ours2")
+
+
+def test_a_fifo_in_another_orbax_step_is_refused_without_a_hang(tmp_path):
+    root = tmp_path / "theirs"
+    orbax_step(root, step=1)
+    orbax_step(root, step=2)
+    fifo = root / "2" / "_CHECKPOINT_METADATA"  # Orbax's manager reads every step's
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    with CheckpointManager(root) as m:
+        assert m.all_steps() == [1, 2]
+        err = _raised_within(lambda: m.restore(1), fifo)
+    assert isinstance(err, CorruptCheckpointError) and str(fifo) in str(err), err
