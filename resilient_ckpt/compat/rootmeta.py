@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..core import strictjson
 from ..errors import CorruptCheckpointError
 from ..storage import FileStorage, Storage
 from .metadata import RootMetadata, jsonable
@@ -49,11 +50,13 @@ def encode(custom: Any) -> bytes:
 
 def decode(data: bytes, where: str) -> RootMetadata:
     try:
-        doc = json.loads(data)
+        doc = strictjson.Reader(where).load(data)  # bounded: too deep is corrupt
+        if not isinstance(doc, dict):
+            raise ValueError(f"an object is expected, got {strictjson.short(doc)}")
         custom, internal = doc.get("custom_metadata") or {}, doc.get("internal_metadata") or {}
         if not isinstance(custom, dict) or not isinstance(internal, dict):
             raise ValueError("custom_metadata and internal_metadata must be objects")
-    except (ValueError, AttributeError) as e:
+    except (ValueError, CorruptCheckpointError) as e:
         raise CorruptCheckpointError(
             f"{where}: not valid root metadata ({e}); fix or remove the file (a manager "
             "given metadata= then writes it again)") from None

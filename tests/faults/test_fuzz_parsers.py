@@ -211,11 +211,6 @@ def test_the_root_metadata_parser_refuses_cleanly(data):
         assert isinstance(out.custom_metadata, dict)
 
 
-# compat/rootmeta.py is not ours to change now: its failing input is reported
-# (issue #40) and kept here, so the fix shows as an XPASS.
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="compat/rootmeta.decode does not bound nesting: b'[' * 100000 "
-                          "raises RecursionError, not CorruptCheckpointError")
 def test_the_root_metadata_parser_bounds_nesting():
     with pytest.raises(CheckpointError):
         rootmeta.decode(b"[" * 100_000, "fuzz/_ROOT_METADATA")
