@@ -135,6 +135,7 @@ class Coordinator:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self.peers.close()
 
     # ------------------------------------------------------------ collectives
 

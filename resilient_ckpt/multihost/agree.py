@@ -126,6 +126,12 @@ class Peers:
                              f"({self.index}) and lie in 0..{self.count - 1}")
         self.live = live
 
+    def close(self) -> None:
+        """Ends the leader's waiting threads, if any (the manager's close)."""
+        waits, self._waits = self._waits, None
+        if waits is not None:
+            waits.shutdown(wait=False, cancel_futures=True)
+
     def reserve(self) -> Round:
         """The next round (its number and its processes), taken now, for a
         `decide` that runs later, off the training thread."""
