@@ -201,15 +201,13 @@ def simulate(a, costs: dict) -> dict:
     simulated = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= top
                  and (n >= 16 or a.quick)]
     summary: dict = {}
-    small = dict(costs)
+    decided: dict = {}  # (protocol, n) -> the decision every process took
     for protocol in PROTOCOLS:
         fit: dict = {}
         for n in simulated:
             r = one_agreement(n, a.keep, protocol, costs)
             same = r.pop("same_everywhere")
-            summary.setdefault(f"decisions_differ_{n}", False)
-            if r.pop("decision") != one_agreement(n, a.keep, "all-to-all", _free())["decision"]:
-                summary[f"decisions_differ_{n}"] = True
+            decided[protocol, n] = r.pop("decision")
             per_view = r["cpu_max_s"] / n
             fit = {"requests": r["requests"], "bytes": r["bytes"], "n": n, "per_view": per_view}
             emit({"bench": BENCH, "system": "resilient_ckpt", "case": protocol, "processes": n,
@@ -220,7 +218,7 @@ def simulate(a, costs: dict) -> dict:
             requests, nbytes = fit["requests"] * grow, fit["bytes"] * grow
             save = model_s(protocol, n, requests, nbytes, fit["per_view"], costs)
             # A restore: one agreement with views, two of a few bytes each.
-            tiny = model_s(protocol, n, requests, 64 * requests, 0.0, small)
+            tiny = model_s(protocol, n, requests, 64 * requests, 0.0, costs)
             emit({"bench": BENCH, "system": "resilient_ckpt", "case": protocol,
                   "processes": n, "modeled": True, "requests": int(requests),
                   "bytes": int(nbytes), "save_agreement_s": save,
@@ -230,15 +228,9 @@ def simulate(a, costs: dict) -> dict:
             summary[f"{key}_bytes_per_process_at_{n}"] = nbytes / n
             summary[f"{key}_save_agreement_s_at_{n}"] = save
             summary[f"{key}_restore_agreements_s_at_{n}"] = save + 2 * tiny
-    summary["decisions_differ"] = any(v for k, v in summary.items()
-                                      if k.startswith("decisions_differ_"))
-    for k in [k for k in summary if k.startswith("decisions_differ_")]:
-        del summary[k]
+    summary["decisions_differ"] = any(decided["gather", n] != decided["all-to-all", n]
+                                      for n in simulated)
     return summary
-
-
-def _free() -> dict:
-    return {"service_s": 0.0, "per_byte_s": 0.0, "rtt_s": 0.0}
 
 
 # ------------------------------------------------------------ the real job
