@@ -71,8 +71,8 @@ class Coordinator:
         self._held: list[SaveFailedError] = []  # agreed failures raised after a save started
         self._first_id: str | None = None  # the job's first save id, once every lock is held
         self._saves = 0  # saves started by this manager (the same count on every process)
-        self._pending: futures.Future | None = None  # a save's agreement, in the background
-        self._round: Round | None = None  # the round it runs in
+        # A save's agreement in the background, and the round it runs in.
+        self._pending: tuple[futures.Future, Round] | None = None
         self._pool: futures.ThreadPoolExecutor | None = None
 
     def in_flight(self) -> set[int]:
@@ -86,7 +86,7 @@ class Coordinator:
                hold: bool = False) -> JobView:
         """One agreement; with `failures`, background failures anywhere are
         handed over and raised on every process (`hold`: by `raise_failures`)."""
-        self._join()
+        self.settle()
         errors = self._saver.take_errors() if failures else []
         job = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
                                   extra)
@@ -104,12 +104,14 @@ class Coordinator:
                 raise err
             self._held.append(err)
 
-    def _join(self) -> None:
-        """Waits for the save agreement running in the background and takes in
-        what it decided: the agreed view, its failures, retention from it."""
+    def settle(self) -> None:
+        """Waits for the save agreement running in the background, if any, and
+        takes in what it decided: the agreed view, its failures, retention
+        from it (before every collective, and before a delete, which it must
+        not undo)."""
         if self._pending is None:
             return
-        pending, self._pending = self._pending, None
+        (pending, _), self._pending = self._pending, None
         job, errors, step = pending.result()  # an AgreementError raises here, on every process
         self._catalog.install(job)
         self._started = {step}  # its views may predate this save's start
@@ -124,11 +126,6 @@ class Coordinator:
         job = self._catalog.agree(f"save of step {step}", self._saver.pending(),
                                   [str(e) for e in errors], at=at)
         return job, errors, step
-
-    def settle(self) -> None:
-        """Takes in the save agreement running in the background, if any (before
-        a change that it must not undo: a delete)."""
-        self._join()
 
     def close(self) -> None:
         """Ends the background agreement thread (after `finish`)."""
@@ -157,10 +154,10 @@ class Coordinator:
         from the tiers observed again; then they agree on what exists."""
         lost = set(self.peers.live) - {int(q) for q in processes}
         pending, self._pending = self._pending, None
-        if pending is not None and self._round is not None:
-            self.peers.abandon(self._round, lost)  # its round ends at once everywhere
+        if pending is not None:
+            self.peers.abandon(pending[1], lost)  # its round ends at once everywhere
             try:
-                job, errors, _ = pending.result()
+                job, errors, _ = pending[0].result()
             except Exception as e:  # noqa: BLE001 - a round the lost processes left unfinished
                 log.info("the save agreement under way when processes %s were lost is "
                          "dropped: %s", sorted(lost), e)
@@ -181,11 +178,11 @@ class Coordinator:
             return uuid.uuid4().hex
         self._saves += 1
         if self._first_id is not None:  # every lock held: in_use is None everywhere
-            self._join()
+            self.settle()
             if self._pool is None:
                 self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="rc-agree")
-            self._round = self.peers.reserve()
-            self._pending = self._pool.submit(self._in_background, step, self._round)
+            at = self.peers.reserve()
+            self._pending = self._pool.submit(self._in_background, step, at), at
             self._started.add(step)
             return hashlib.sha256(f"{self._first_id}:{self._saves}:{step}".encode()
                                   ).hexdigest()[:32]
@@ -234,10 +231,11 @@ class Coordinator:
             raise StepNotFoundError(f"step {step} has no viable copy in {self._directory} "
                                     f"on every process; viable steps: {sorted(agreed)}")
         candidates = [step] if step is not None else sorted(agreed, reverse=True)
-        kinds = {st.shared for st in self._catalog.storages().values()}
+        # With tiers of its own per host and tiers it shares, own ones first.
+        mixed = {st.shared for st in self._catalog.storages().values()} == {True, False}
         for s in candidates:
-            out, failures, error = self._try_step(s, attempt, own_only=kinds == {True, False})
-            if failures and all(f[0] == "fallback" for _, f in failures) and len(kinds) == 2:
+            out, failures, error = self._try_step(s, attempt, own_only=mixed)
+            if failures and all(f[0] == "fallback" for _, f in failures) and mixed:
                 log.info("step %d is not restorable from the hosts' own tiers and their "
                          "peers alone (%s); again with the tiers the whole job sees", s,
                          "; ".join(f"process {q}: {f[1]}" for q, f in failures))

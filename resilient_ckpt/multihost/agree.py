@@ -118,7 +118,7 @@ class Peers:
         return len(self.live)
 
     def set_live(self, processes: Any) -> None:
-        """From now on, exchange among `processes` (jax process indices) only.
+        """From now on, decide among `processes` (jax process indices) only.
         Every live process must call it with the same set at the same point."""
         live = tuple(sorted({int(q) for q in processes}))
         if self.index not in live or not set(live) <= set(range(self.count)):
@@ -166,12 +166,6 @@ class Peers:
                 self._client.key_value_set(self._prefix(k) + str(q), _GONE)
             except Exception:  # noqa: BLE001 - already there: that process did send it
                 continue
-
-    def exchange(self, what: str, view: Any) -> list[Any]:
-        """Every live process's `view`, in the order of `live` (a collective):
-        `decide` with the views themselves as the decision, O(N) bytes to
-        every process; for small views only."""
-        return list(self.decide(what, view, list))
 
     # ------------------------------------------------------------ protocols
 

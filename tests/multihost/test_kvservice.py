@@ -44,8 +44,8 @@ def run_job(n, body, service=None, timeout_s=10.0, protocol="gather"):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("n", [2, 5, 16])
 def test_every_process_gets_every_view_in_process_order(n, protocol):
-    out, _ = run_job(n, lambda p: [p.exchange("test", {"i": p.index, "r": r}) for r in range(3)],
-                     protocol=protocol)
+    out, _ = run_job(n, lambda p: [p.decide("test", {"i": p.index, "r": r}, list)
+                                   for r in range(3)], protocol=protocol)
     for views in out:
         assert views == [[{"i": q, "r": r} for q in range(n)] for r in range(3)]
 
@@ -61,7 +61,7 @@ def test_one_all_to_all_agreement_costs_n_squared_requests(n):
     assert service.totals()[0] == n  # the opening increments
     service.reset_counts()
     view = {"shares": [[7, "a" * 32, 0, n, "ram", 1.0]] * 3}
-    out, _ = run_job(n, lambda p: p.exchange("save of step 7", view), service,
+    out, _ = run_job(n, lambda p: p.decide("save of step 7", view, list), service,
                      protocol="all-to-all")
     assert all(v == [view] * n for v in out)
     requests, nbytes = service.totals()
@@ -103,7 +103,7 @@ def test_a_silent_process_is_named_not_a_hang(protocol):
     def body(p):
         if p.index == 2:
             return "silent"  # never makes the call the others make
-        return p.exchange("restore of step 3", {"i": p.index})
+        return p.decide("restore of step 3", {"i": p.index}, list)
     out, _ = run_job(3, body, timeout_s=0.5, protocol=protocol)
     assert out[2] == "silent"
     for e in out[:2]:
