@@ -134,9 +134,9 @@ def _rewrite(path, fn):
     path.write_text(json.dumps(fn(doc)))
 
 
-def test_import_refuses_an_array_named_by_an_absolute_path(tmp_path):
-    outside = orbax_step(tmp_path / "elsewhere")  # arrays a step must not reach
-    step = orbax_step(tmp_path / "theirs")
+def _absolute_key(step, tmp_path):
+    """Points the step's array `a` at another step's array (one it must not reach)."""
+    outside = orbax_step(tmp_path / "elsewhere")
     target = str(outside / "default" / "a")
 
     def point_outside(doc):
@@ -146,6 +146,11 @@ def test_import_refuses_an_array_named_by_an_absolute_path(tmp_path):
         return doc
 
     _rewrite(step / "default" / "_METADATA", point_outside)
+
+
+def test_import_refuses_an_array_named_by_an_absolute_path(tmp_path):
+    step = orbax_step(tmp_path / "theirs")
+    _absolute_key(step, tmp_path)
     with pytest.raises(CorruptCheckpointError, match="one path component"):
         interop.import_step(step, tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
@@ -332,19 +337,6 @@ def test_a_tiers_record_whose_step_names_are_not_one_component_is_ignored(
 
 
 # ---------------------------------------------------------------- Orbax steps read in place
-
-def _absolute_key(step, tmp_path):
-    outside = orbax_step(tmp_path / "elsewhere")
-    target = str(outside / "default" / "a")
-
-    def point_outside(doc):
-        meta = doc["tree_metadata"].pop("('a',)")
-        meta["key_metadata"][0]["key"] = target
-        doc["tree_metadata"][repr((target,))] = meta
-        return doc
-
-    _rewrite(step / "default" / "_METADATA", point_outside)
-
 
 def _huge_chunks(step, tmp_path):
     _rewrite(step / "default" / "a" / ".zarray", lambda doc: {**doc, "chunks": [2**40, 2**20]})
