@@ -6,6 +6,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # 12 s; the README's first command runs the demo in full
 @pytest.mark.multiprocess
 def test_demo_crash_and_resume():
     env = dict(os.environ)

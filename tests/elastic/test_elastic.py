@@ -617,6 +617,7 @@ def test_progress_renews_the_attempt_budget(mesh, check):
     assert len(table.splitlines()) == 4 and "scale_up" in table and "ram 100%" in table
 
 
+@pytest.mark.slow  # 8 s: a subprocess; the timeline tests above cover the loop
 def test_elastic_demo_end_to_end():
     """`python -m resilient_ckpt.demo --elastic`, small: fail, go on with 4, grow back to 8."""
     import subprocess
