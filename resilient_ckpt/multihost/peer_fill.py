@@ -127,8 +127,7 @@ def _fill_group(holes: Sequence[tuple[jax.Array, dict]], mesh, rep: tuple[str, .
     x = jax.make_array_from_single_device_arrays((r, cells, width), stacked, packs)
     h = jax.make_array_from_single_device_arrays((r, cells), NamedSharding(
         mesh, PartitionSpec(rep, used or None)), flags)
-    picked, any_held = _select(NamedSharding(mesh, PartitionSpec(used or None, None)),
-                               NamedSharding(mesh, PartitionSpec(used or None)))(x, h)
+    picked, any_held = _select(mesh, rep, used)(x, h)
     ok = all(bool(np.asarray(s.data).all()) for s in any_held.addressable_shards)
     return [_unpack(array, have, picked, off) for (array, have), off in zip(
         holes, offsets, strict=True)], ok
@@ -155,11 +154,26 @@ def _unpack(array: jax.Array, have: dict, picked: jax.Array, offset: int) -> jax
 
 
 @functools.lru_cache(maxsize=64)
-def _select(out_sharding: NamedSharding, held_sharding: NamedSharding):
-    """Per cell, the bytes of the first replica that holds it (a copy, exact
-    for every dtype), and whether any does."""
-    def select(x, h):
-        first = jnp.argmax(h, axis=0)
-        picked = jnp.take_along_axis(x, first[None, :, None], axis=0)[0]
-        return picked, h.any(axis=0)
-    return jax.jit(select, out_shardings=(out_sharding, held_sharding))
+def _select(mesh, rep: tuple[str, ...], used: tuple[str, ...]):
+    """Per cell, the bytes of the first replica that holds it (exact for every
+    dtype: they cross as 32-bit words), and whether any does.
+
+    A sum over the replica axes in which only that replica's bytes are not
+    zero: one all-reduce by construction, so each device sends and receives
+    about twice its cell's bytes however many replicas there are, and no
+    holder serves every other replica itself. (Written as a pick out of the
+    stacked replicas, the same bound held only as long as XLA's partitioner
+    chose to lower the pick that way.)"""
+    cell = PartitionSpec(used or None)
+
+    def select(x, h):  # per device: x (1, 1, width) bytes, h (1, 1) held
+        me = jax.lax.axis_index(rep)
+        first = jax.lax.pmin(jnp.where(h[0, 0], me, jnp.iinfo(jnp.int32).max), rep)
+        words = jax.lax.bitcast_convert_type(x[0].reshape(1, -1, 4), jnp.uint32)
+        mine = jnp.where(me == first, words, jnp.zeros_like(words))
+        picked = jax.lax.bitcast_convert_type(jax.lax.psum(mine, rep), jnp.uint8)
+        return picked.reshape(1, -1), (first < jnp.iinfo(jnp.int32).max).reshape(1)
+    return jax.jit(jax.shard_map(
+        select, mesh=mesh, in_specs=(PartitionSpec(rep, used or None, None),
+                                     PartitionSpec(rep, used or None)),
+        out_specs=(PartitionSpec(used or None, None), cell)))

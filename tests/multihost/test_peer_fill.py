@@ -59,3 +59,36 @@ def test_a_shard_no_replica_read_is_reported(mesh3):
     host, a = _leaves(mesh3)[0]
     _, ok = peer_fill.fill_all([(_zeroed(a, have), have)])
     assert not ok
+
+
+def test_each_cell_comes_from_whichever_replica_holds_it(mesh3):
+    """Holders differ per cell and per layout: replica 1 holds data row 0's
+    cells, replica 0 the rest; a leaf sharded over `data` only has four
+    replicas over two mesh axes (replica, model), of which one holds each cell."""
+    have = {d: (i == 1) if j == 0 else (i == 0)
+            for (i, j, _), d in np.ndenumerate(mesh3.devices)}
+    by_data = {d: (i, k) == (1, 1) if j == 0 else (i, k) == (0, 1)
+               for (i, j, k), d in np.ndenumerate(mesh3.devices)}
+    leaves = _leaves(mesh3)
+    rng = np.random.default_rng(1)
+    wide = rng.standard_normal((6, 5)).astype(np.float32)
+    leaves.append((wide, jax.device_put(wide, NamedSharding(mesh3, P("data")))))
+    holes = [(_zeroed(a, have), have) for _, a in leaves[:-1]]
+    holes.append((_zeroed(leaves[-1][1], by_data), by_data))
+    filled, ok = peer_fill.fill_all(holes)
+    assert ok
+    for (host, _), got in zip(leaves, filled, strict=True):
+        for s in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
+
+
+def test_the_fill_is_one_all_reduce_not_a_gather_of_every_replica(mesh3):
+    """What makes the fan-in bounded: each device gets its cell's bytes from
+    a sum over the replica axes (about twice the cell's bytes sent and received
+    per device, however many replicas), never every replica's copy."""
+    width, rep, used = 1 << 16, ("replica",), ("data", "model")
+    x = jax.ShapeDtypeStruct((2, 4, width), np.uint8,
+                             sharding=NamedSharding(mesh3, P(rep, used, None)))
+    h = jax.ShapeDtypeStruct((2, 4), np.bool_, sharding=NamedSharding(mesh3, P(rep, used)))
+    hlo = peer_fill._select(mesh3, rep, used).lower(x, h).compile().as_text()
+    assert "all-reduce" in hlo and "all-gather" not in hlo and "all-to-all" not in hlo
