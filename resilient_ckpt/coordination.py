@@ -4,7 +4,8 @@ With one process every method here is a thin pass-through. With several,
 each is a collective every process makes at the same point of its program,
 and every branch after it is taken from the same exchanged data:
 - `open`: which file tiers every process sees (one directory for all, so
-  only process 0 deletes and cleans there, and only the job's shards are
+  only process 0 cleans there, each process deletes its part of a step's
+  shares, and only the job's shards are
   written there) and which each has its own of (RAM, a local SSD);
 - `start_save`: background failures anywhere (raised on every process once
   the save has started, by `raise_failures`: an old failure never costs a new

@@ -3,8 +3,8 @@ process knows it.
 
 It keeps one view per tier (step -> `TierStep`, from `tier_steps.observe` at open
 and on `reload`, then updated after each of this process's own commits and
-deletes; on a tier the whole job sees, a process knows only its own manifest
-of a step it committed until it restores that step or reloads), the
+deletes; on a tier the whole job sees, a process other than the first live
+one knows only its own manifests of a step until it restores that step), the
 (tier, chunk) copies known to fail their checksums, the steps Orbax itself
 wrote in the manager's directory, the metrics of steps still in
 flight, and a cache of `selection.viable` over all of it. Retention's choice of
@@ -160,11 +160,23 @@ class Catalog:
     # ------------------------------------------------------------ reading tiers
 
     def reload(self) -> None:
-        """Re-reads every tier (steps written by other processes appear)."""
-        views = {n: tier_steps.observe(st, n, self._naming) for n, st in self._tiers}
+        """Re-reads every tier (steps written by other processes appear).
+
+        On a tier every process of a job sees, only the first live process
+        reads every manifest (it reports every share there, `_reported`);
+        each other process reads its own shares' alone and the rest of a
+        step only if it restores it (`choice`): a reload costs a process
+        the same at any number of hosts, not hosts x hosts reads a job."""
+        views, partial = {}, set()
+        for n, st in self._tiers:
+            labels = self._own_labels(st)
+            steps = tier_steps.listed_steps(st, self._naming)
+            views[n] = tier_steps.observe(st, n, self._naming, labels, steps)
+            if labels is not None:
+                partial |= {(n, s) for s in steps}
         orbax = legacy.orbax_steps(self._home, self._naming) if self._home else set()
         with self._lock:
-            self._views, self._partial = views, set()
+            self._views, self._partial = views, partial
             self._orbax = orbax - {s for v in views.values() for s in v}
             self._cache = None
 
@@ -197,16 +209,28 @@ class Catalog:
                 self._views.setdefault(tier, {})[m.step] = ts
             self._cache = None
 
+    def _own_labels(self, storage: Storage) -> set[int] | None:
+        """The writer labels whose manifests this process reads on `storage`
+        (its index, and its rank after a loss), or None: all of them."""
+        if storage.shared and self.peers.many and self.peers.rank != 0:
+            return {self.peers.index, self.peers.rank}
+        return None
+
     def delete(self, tier: str, storage: Storage, step: int) -> None:
-        """Forgets `step` in `tier` and deletes it there (on a shared tier only
-        process 0 deletes); a failed delete puts it back (it may be whole)."""
+        """Forgets `step` in `tier` and deletes it there (on a tier the whole
+        job sees, each live process its part of the shares,
+        `tier_steps.delete_step`); a failed delete puts it back (it may be
+        whole). Every process of a job deletes the same steps (retention is
+        decided from the agreed view)."""
         with self._lock:
             views, self._cache = self._views, None
             old = views.get(tier, {}).pop(step, None)
-        if storage.shared and self.peers.index != 0:
-            return
+        part = (self.peers.rank, self.peers.size) if storage.shared and self.peers.many \
+            else None
+        known = [m for m in (old.manifests if old else ()) if isinstance(m, Manifest)
+                 and m.process_index in {self.peers.index, self.peers.rank}]
         try:
-            tier_steps.delete_step(storage, self._naming, step)
+            tier_steps.delete_step(storage, self._naming, step, part, known)
         except BaseException:
             with self._lock:
                 if old is not None and self._views is views:  # no reload meanwhile
@@ -439,10 +463,11 @@ def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: 
     process sees, each reports its own share (it knows its own commits;
     another's view of it may be older than the commit), labelled by its
     index, or by its rank for a save made after a loss (`Peers.set_live`);
-    process 0 all it sees (saves by another process count included)."""
+    the first live process all it sees (saves by another process count
+    included: it alone reads them all, `Catalog.reload`)."""
     me = {peers.index, peers.rank}
     mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
-                               or q in me or peers.index == 0)
+                               or q in me or peers.rank == 0)
     return mine + _whole_copies(whole, obs, names, bad, {(s.step, s.save_id) for s in mine})
 
 

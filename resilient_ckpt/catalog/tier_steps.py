@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+from collections.abc import Collection
 
 from ..core import layout, manifest as mf
 from ..core.selection import TierStep
@@ -74,21 +75,39 @@ def manifest_names(storage: Storage, d: str) -> list[str]:
     return sorted(n for n in names if layout.parse_manifest_name(n))
 
 
+def labelled(storage: Storage, d: str, labels: Collection[int]) -> list[str]:
+    """The manifests in step directory `d` written by the processes `labels`
+    (their index in the writing job): one listing by name prefix per label,
+    which a remote store filters on its side, so the cost does not grow with
+    the number of writers."""
+    return sorted({n for i in labels
+                   for n in storage.list(d, starts_with=f"{layout.MANIFEST_PREFIX}{i}-of-")
+                   if layout.parse_manifest_name(n) is not None})
+
+
 def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int,
-                 known: mf.Manifest | None = None) -> TierStep | None:
+                 known: mf.Manifest | None = None,
+                 labels: Collection[int] | None = None) -> TierStep | None:
     """What `tier` holds of `step` (None: no manifest). A step directory that
     cannot be listed shows as one unusable copy, with the reason, never an error.
 
     `known` is a manifest this process just committed there (after its chunks
     were written and flushed): it is taken as written, its chunks' sizes as it
     stored them, so a commit neither parses its own manifest back nor asks the
-    size of every chunk it wrote; only other processes' manifests are read."""
+    size of every chunk it wrote; only other processes' manifests are read.
+    `labels`: read only the manifests of those writers (`labelled`); the
+    view then holds their shares only."""
     d = naming.name(step)
     try:
+        if labels is not None:
+            names = labelled(storage, d, labels)
+        elif storage.sizes_from_manifest or known is not None:
+            names = manifest_names(storage, d)
+        else:
+            names = storage.list(d)
         if storage.sizes_from_manifest:
-            manifests = read_manifests(storage, d, manifest_names(storage, d), known)
+            manifests = read_manifests(storage, d, names, known)
             return tier_step(tier, manifests) if manifests else None
-        names = storage.list(d) if known is None else manifest_names(storage, d)
     except OSError as e:
         err = CorruptCheckpointError(f"{storage.url}/{d}: cannot be listed ({e}); its "
                                      "step is read from other tiers, if any")
@@ -97,7 +116,8 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
     manifests = read_manifests(storage, d, names, known)
     if not manifests:
         return None
-    present = set(names) if known is None else None  # else only manifests were listed
+    # Else only manifests were listed: each chunk is asked for.
+    present = set(names) if known is None and labels is None else None
     sizes: dict[str, int | None] = {}
     for m in manifests:
         if m is known:
@@ -119,7 +139,14 @@ def _size(storage: Storage, d: str, key: str) -> int | None:
         return None
 
 
-def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int, TierStep]:
+def listed_steps(storage: Storage, naming: layout.StepNaming) -> list[int]:
+    """The steps a tier has a directory of (one listing of its root)."""
+    return sorted(s for s in map(naming.parse, storage.list("")) if s is not None)
+
+
+def observe(storage: Storage, tier: str, naming: layout.StepNaming,
+            labels: Collection[int] | None = None,
+            steps: list[int] | None = None) -> dict[int, TierStep]:
     """Every step of a tier that has at least one manifest (valid or not).
 
     A remote tier is observed with one listing of its step directories and,
@@ -127,21 +154,72 @@ def observe(storage: Storage, tier: str, naming: layout.StepNaming) -> dict[int,
     steps at once: never a listing of every object. A damaged step (a manifest
     that does not read or parse, a directory that does not list) shows with
     its reasons and is never raised; only a tier root that cannot be listed is.
+    `labels`: only those writers' manifests (`observe_step`); `steps`: the
+    steps `listed_steps` gave, if the caller has listed them already.
     """
-    steps = sorted(s for s in map(naming.parse, storage.list("")) if s is not None)
+    steps = listed_steps(storage, naming) if steps is None else steps
+
+    def one(s: int) -> TierStep | None:
+        return observe_step(storage, tier, naming, s, labels=labels)
     if storage.shared and len(steps) > 1:
         with cf.ThreadPoolExecutor(min(8, len(steps)), thread_name_prefix="rc-observe") as ex:
-            views = list(ex.map(lambda s: observe_step(storage, tier, naming, s), steps))
+            views = list(ex.map(one, steps))
     else:
-        views = [observe_step(storage, tier, naming, s) for s in steps]
+        views = [one(s) for s in steps]
     return {s: ts for s, ts in zip(steps, views, strict=True) if ts is not None}
 
 
-def delete_step(storage: Storage, naming: layout.StepNaming, step: int) -> None:
+def delete_step(storage: Storage, naming: layout.StepNaming, step: int,
+                part: tuple[int, int] | None = None,
+                known: Collection[mf.Manifest] = ()) -> None:
     """Deletes manifests first, so a crash part-way never leaves a step that
-    looks committed and is not; the rest is removed after (or by `cleanup`)."""
+    looks committed and is not; the rest is removed after (or by `cleanup`).
+
+    `part` (rank, size): on a tier every process of a job sees, this process
+    deletes only the shares of the writers whose index is `rank` modulo
+    `size`: their manifests, then the chunks those list and their claims; the
+    directory goes with whichever process empties it. Each process's work is
+    then a share's, whatever the number of hosts (process 0 deleting every
+    share was N manifests and all their chunks per step). `known`: manifests
+    of the step this process holds already (its own), not read again."""
     d = naming.name(step)
-    for n in manifest_names(storage, d):
-        storage.delete(f"{d}/{n}")
+    if part is None:
+        for name in manifest_names(storage, d):
+            storage.delete(f"{d}/{name}")
+        storage.flush(d)
+        storage.delete_dir(d)
+        return
+    rank, size = part
+    mine = {layout.manifest_name(m.process_index, m.process_count): m for m in known}
+    counts = {m.process_count for m in known}
+    if len(counts) == 1:  # the writers are known: no listing of every manifest
+        (count,) = counts
+        names = sorted({x for x in mine if _label(x) % size == rank} | set(labelled(
+            storage, d, [i for i in range(rank, count, size)
+                         if layout.manifest_name(i, count) not in mine])))
+    else:
+        names = [x for x in manifest_names(storage, d) if _label(x) % size == rank]
+    doomed = [mine.get(x) or _read_manifest(storage, d, x) for x in names]
+    for x in names:
+        storage.delete(f"{d}/{x}")
     storage.flush(d)
-    storage.delete_dir(d)
+    for x, m in zip(names, doomed, strict=True):
+        if isinstance(m, mf.Manifest):  # else its chunks are left to `cleanup`
+            _delete_all(storage, [f"{d}/{c.key}" for _, _, c in m.chunks()])
+        storage.delete(f"{d}/{layout.claim_name(*(layout.parse_manifest_name(x) or (0, 1)))}")
+    storage.remove_empty_dir(d)
+
+
+def _label(manifest_name: str) -> int:
+    """The writer index in a manifest's name (one `manifest_names` listed)."""
+    return (layout.parse_manifest_name(manifest_name) or (0, 1))[0]
+
+
+def _delete_all(storage: Storage, keys: list[str]) -> None:
+    """Deletes `keys`; on a remote store several at once (a request each)."""
+    if not storage.remote or len(keys) < 2:
+        for k in keys:
+            storage.delete(k)
+        return
+    with cf.ThreadPoolExecutor(min(8, len(keys)), thread_name_prefix="rc-delete") as ex:
+        list(ex.map(storage.delete, keys))

@@ -1,0 +1,107 @@
+"""A tier every process of a job sees (a shared directory, GCS) holds one
+manifest per writer of a step. What one process of a big job does there must
+not grow with the number of writers: a reload reads only its own writers'
+manifests (the first live process reads them all, and reports them), and a
+delete removes only its part of the shares, so the processes together remove
+the whole step. A step of 4 writers is made here from a real one-process save,
+its chunks split among 4 re-signed manifests, as a 4-process save leaves it."""
+import dataclasses
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import orbax.checkpoint as ocp
+import pytest
+
+import resilient_ckpt as rc
+from resilient_ckpt.catalog import tier_steps
+from resilient_ckpt.core import layout, manifest as mf
+from resilient_ckpt.storage.files import FileStorage
+from tests.support.corruption import device_state
+
+WRITERS = 4
+
+
+def _split(m: mf.Manifest, i: int) -> mf.Manifest:
+    """Writer i's share of a one-process save: every WRITERS-th chunk of each leaf."""
+    items = tuple(dataclasses.replace(it, leaves=tuple(
+        dataclasses.replace(leaf, chunks=leaf.chunks[i::WRITERS]) for leaf in it.leaves))
+        for it in m.items)
+    return dataclasses.replace(m, process_index=i, process_count=WRITERS, items=items)
+
+
+@pytest.fixture
+def shared(tmp_path):
+    """A local tier holding steps 1 and 2, each written by 4 writers, with
+    their claims; returns its storage."""
+    d = tmp_path / "ckpt"
+    with rc.CheckpointManager(str(d), options=rc.CheckpointManagerOptions(
+            tiers=[rc.LocalTier(every=1, keep=3)])) as m:
+        for s in (1, 2):
+            assert m.save(s, args=ocp.args.StandardSave(device_state(s)))
+        m.wait_until_finished()
+    st = FileStorage(str(d))
+    for s in (1, 2):
+        (name,) = tier_steps.manifest_names(st, str(s))
+        one = mf.parse((d / str(s) / name).read_bytes())
+        (d / str(s) / name).unlink()
+        for p in (d / str(s)).glob("claim.*"):
+            p.unlink()
+        for i in range(WRITERS):
+            (d / str(s) / layout.manifest_name(i, WRITERS)).write_bytes(
+                mf.to_json(_split(one, i)))
+            (d / str(s) / layout.claim_name(i, WRITERS)).write_bytes(b"{}")
+    st.shared = True
+    return st
+
+
+def _reads(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    real = FileStorage.read
+
+    def read(self, key, max_bytes=None):  # a spy: the real read, recorded
+        seen.append(key.rpartition("/")[2])
+        return real(self, key, max_bytes)
+    monkeypatch.setattr(FileStorage, "read", read)
+    return seen
+
+
+def test_a_reload_with_labels_reads_only_those_writers_manifests(shared, monkeypatch):
+    reads = _reads(monkeypatch)
+    mine = tier_steps.observe(shared, "local", layout.StepNaming(), labels={2})
+    assert sorted(mine) == [1, 2]
+    assert sorted(reads) == [layout.manifest_name(2, WRITERS)] * 2
+    for ts in mine.values():
+        (m,) = ts.manifests
+        assert isinstance(m, mf.Manifest) and m.process_index == 2
+        assert set(ts.sizes) == {c.key for _, _, c in m.chunks()}
+        assert all(n is not None and n > 0 for n in ts.sizes.values())
+    reads.clear()
+    everything = tier_steps.observe(shared, "local", layout.StepNaming())
+    assert len(reads) == 2 * WRITERS
+    assert all(len(ts.manifests) == WRITERS for ts in everything.values())
+
+
+@pytest.mark.parametrize("live", [WRITERS, 3])  # 3: after a process was lost
+def test_each_process_deletes_its_part_and_together_the_whole_step(shared, live):
+    step_dir = os.path.join(shared.root, "1")
+    before = set(os.listdir(step_dir))
+    full = tier_steps.observe_step(shared, "local", layout.StepNaming(), 1)
+    assert full is not None
+    chunks = {i: {c.key for _, _, c in m.chunks()}
+              for i, m in enumerate(full.manifests) if isinstance(m, mf.Manifest)}
+    gone: set[str] = set()
+    for rank in range(live):
+        own = [m for m in full.manifests if isinstance(m, mf.Manifest)
+               and m.process_index == rank]
+        tier_steps.delete_step(shared, layout.StepNaming(), 1, (rank, live), own)
+        mine = [i for i in range(WRITERS) if i % live == rank]
+        for i in mine:
+            gone |= {layout.manifest_name(i, WRITERS), layout.claim_name(i, WRITERS)}
+            gone |= chunks[i]
+        if rank < live - 1:
+            assert set(os.listdir(step_dir)) == before - gone, f"rank {rank} of {live}"
+            assert tier_steps.observe_step(shared, "local", layout.StepNaming(), 1,
+                                           labels=mine) is None
+    assert not os.path.exists(step_dir)  # the last one emptied it
+    assert tier_steps.observe_step(shared, "local", layout.StepNaming(), 2) is not None
