@@ -259,15 +259,21 @@ def fit_size(want: int, shm_dir: str) -> tuple[int, str | None]:
     return want, None
 
 
+def state_label(want: int, state: str) -> str:
+    """The size label of a run's lines and summary keys (the state's name
+    first, for any state but the usual one)."""
+    return size_label(want) if state == "train" else f"{state}-{size_label(want)}"
+
+
 def run_size(want: int, repeats: int, args, mesh
              ) -> tuple[dict[tuple[str, str], float], list[dict]]:
     """The medians per (system, case), and the lines printed."""
-    label = size_label(want)
+    label = state_label(want, args.state)
     workdir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.workdir)
     shm_dir = tempfile.mkdtemp(prefix=f"bench-sr-{label}-", dir=args.shm)
     nbytes, shrunk = fit_size(want, shm_dir)
     log.info("[%s] building the state (%d bytes asked) ...", label, nbytes)
-    t, state = timed(build_state, "train", nbytes, mesh)
+    t, state = timed(build_state, args.state, nbytes, mesh)
     jax.block_until_ready(state)
     actual = tree_bytes(state)
     leaves = jax.tree.leaves(state)
@@ -358,7 +364,8 @@ def run_size(want: int, repeats: int, args, mesh
         med = statistics.median(v)
         medians[(system, case)] = med
         line = {"bench": BENCH, "system": system, "case": case, "bytes": actual,
-                "devices": jax.device_count(), "size": label,
+                "devices": jax.device_count(), "size": label, "state": args.state,
+                "leaves": len(leaves), "unique_shards": len(shards),
                 "runs_s": [round(x, 4) for x in v], "median_s": round(med, 4),
                 "gb_per_s": round(actual / med / 1e9, 3) if med > 0 else None}
         for k, vals in extras.get((system, case), {}).items():
@@ -437,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-threads", type=int, default=8,
                     help="threads for the limit's disk write (default 8, as resilient_ckpt's "
                          "io_threads)")
+    ap.add_argument("--state", choices=("train", "decoder"), default="train",
+                    help="the state: 'train' (119 leaves, the figures' usual state) or "
+                         "'decoder' (a 32-layer decoder with Adam's moments, about 870 "
+                         "leaves, FSDP: bench/harness/state.py); a decoder run's sizes "
+                         "are labelled decoder-<size>")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking restored values against the state (first repeat)")
     ap.add_argument("--summarize", metavar="JSONL", default=None,
@@ -464,8 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             summary.update(memory_ratios(lines_by_size[label], label))
     for n in args.sizes if not args.summarize else []:
         medians, lines = run_size(n, args.repeats, args, mesh)
-        summary.update(ratios(medians, size_label(n)))
-        summary.update(memory_ratios(lines, size_label(n)))
+        summary.update(ratios(medians, state_label(n, args.state)))
+        summary.update(memory_ratios(lines, state_label(n, args.state)))
     emit_summary(BENCH, summary, GOALS, plot=args.plot)
     return 0
 

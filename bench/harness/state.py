@@ -17,7 +17,11 @@ comparable across commits:
 - "weights" (gcs.py): 16 leaves of `dtype`, 512-2048 columns, sharded four
   ways in turn; normal, std 0.02 (as at initialization);
 - "rows" (s3.py; reliability.py with leaves=8, std=1 and `seed` its step):
-  `leaves` float32 leaves of 512 columns, all P("data", "model"); normal.
+  `leaves` float32 leaves of 512 columns, all P("data", "model"); normal;
+- "decoder" (save_restore.py `--state decoder`): a real model's shape, a
+  LLaMA-style decoder of 32 layers with Adam's moments: 9 tensors a layer,
+  about 870 leaves at every size, FSDP over the whole mesh with the norms
+  replicated (`decoder_layout`).
 
 Every leaf is made shard by shard (jax.make_array_from_callback), each shard's
 values drawn from numpy's default_rng seeded by the leaf's seed and the
@@ -50,6 +54,12 @@ class Leaf:
 class Scalar:
     """A replicated int32 scalar (device_put of np.int32(value))."""
     value: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """A replicated threefry RNG key (jax.random.key(seed)), as a train state holds."""
+    seed: int
 
 
 def _dtype(name: str):
@@ -89,6 +99,8 @@ def materialize(spec, mesh):
         return make_leaf(spec, mesh)
     if isinstance(spec, Scalar):
         return jax.device_put(np.int32(spec.value), NamedSharding(mesh, P()))
+    if isinstance(spec, Key):
+        return jax.device_put(jax.random.key(spec.seed), NamedSharding(mesh, P()))
     return spec
 
 
@@ -164,8 +176,52 @@ def rows_layout(total: int, leaves: int = 16, std: float = 0.02, seed: tuple = (
                                    "normal", std) for i in range(leaves)}
 
 
+def decoder_layout(total: int, layers: int = 32) -> dict:
+    """A LLaMA-style decoder's train state: per layer the attention's q, k, v,
+    o, the MLP's gate, up and down, and two RMSNorm scales; the token
+    embedding, a final norm and the output head; params and Adam's two
+    moments of the same structure (float32), Adam's count, the step and an
+    RNG key. FSDP as real configs shard it: every matrix over all of the
+    mesh on its first axis, the norms replicated. `d` is the largest
+    multiple of 32 that keeps the state within `total` (at least 64), the
+    MLP width 8d/3 rounded up to a multiple of 64, the vocabulary 16d."""
+    def size(d: int) -> int:
+        f, vocab = -(-8 * d // 3 // 64) * 64, 16 * d
+        per_layer = 4 * d * d + 3 * d * f + 2 * d
+        return 3 * 4 * (layers * per_layer + 2 * vocab * d + d)
+    d = 64
+    while size(d + 32) <= total:
+        d += 32
+    f, vocab = -(-8 * d // 3 // 64) * 64, 16 * d
+    fsdp = (("data", "model"),)
+    names: dict[str, tuple[tuple[int, ...], tuple]] = {
+        "embed": ((vocab, d), fsdp), "final_norm": ((d,), ()), "lm_head": ((d, vocab), fsdp)}
+    for i in range(layers):
+        for k, shape in (("attn/q", (d, d)), ("attn/k", (d, d)), ("attn/v", (d, d)),
+                         ("attn/o", (d, d)), ("mlp/gate", (d, f)), ("mlp/up", (d, f)),
+                         ("mlp/down", (f, d))):
+            names[f"layer_{i:02d}/{k}"] = (shape, fsdp)
+        names[f"layer_{i:02d}/attn_norm"] = ((d,), ())
+        names[f"layer_{i:02d}/mlp_norm"] = ((d,), ())
+
+    def tree(seed: int, **values) -> dict:
+        out: dict = {}
+        for j, (name, (shape, spec)) in enumerate(names.items()):
+            node = out
+            *parents, leaf = name.split("/")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = Leaf(shape, "float32", spec, (seed * 10_000 + j,), "normal", **values)
+        return out
+
+    return {"params": tree(1, scale=0.02),
+            "opt_state": {"mu": tree(2, scale=0.001), "nu": tree(3, scale=0.001, square=True),
+                          "count": Scalar(7)},
+            "step": Scalar(7), "rng": Key(7)}
+
+
 LAYOUTS = {"train": train_layout, "reshard": reshard_layout, "weights": weights_layout,
-           "rows": rows_layout}
+           "rows": rows_layout, "decoder": decoder_layout}
 
 
 def build_state(layout: str, total: int, mesh, **kw) -> dict:
@@ -212,11 +268,20 @@ def same_values(a_tree, b_tree) -> bool:
         if a.shape != b.shape or a.dtype != b.dtype or not a.sharding.is_equivalent_to(
                 b.sharding, a.ndim):
             return False
+        a, b = raw(a), raw(b)
         bs = {s.device: s for s in b.addressable_shards}
         for s in a.addressable_shards:
             if not np.array_equal(np.asarray(s.data), np.asarray(bs[s.device].data)):
                 return False
     return True
+
+
+def raw(a):
+    """An array's stored values: a PRNG key array's key data, else itself."""
+    import jax
+    if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(a)
+    return a
 
 
 def unique_shards(state, largest_first: bool = True) -> list:
@@ -225,7 +290,7 @@ def unique_shards(state, largest_first: bool = True) -> list:
     import jax
     import numpy as np
     out = [np.asarray(s.data) for a in jax.tree.leaves(state) if isinstance(a, jax.Array)
-           for s in a.addressable_shards if s.replica_id == 0]
+           for s in raw(a).addressable_shards if s.replica_id == 0]
     return sorted(out, key=lambda v: -v.nbytes) if largest_first else out
 
 
