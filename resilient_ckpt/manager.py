@@ -12,6 +12,12 @@ Orbax), deletion and metadata. Background failures are raised once, by the
 next `save` (after it has started its own step: an old failure never costs a
 new save), `wait_until_finished`, `check_for_errors` or `close`; several at
 once as one SaveFailedError listing them all.
+
+Threads: the saver's and the coordinator's pools (their workers end at
+`close`, else at interpreter exit after the work queued, as every
+`concurrent.futures` pool's), and `rc-cleanup`, a daemon started by the
+constructor that removes the temporaries dead writers left: it runs no jax,
+and one cut short at exit leaves temporaries that the next manager removes.
 """
 from __future__ import annotations
 

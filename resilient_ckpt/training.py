@@ -9,6 +9,10 @@ Composite of its checkpointables (each a pytree, or an `ocp.args` object such
 as `JsonSave`), which the manager restores like any other, and the other way
 round. This module also owns the face's errors (each also Orbax v1's) and the
 responses of its async calls.
+
+Threads: `rc-save-response`, a daemon per async response that waits for the
+manager's writes of its step and runs the response's callbacks; it holds no
+jax call, so interpreter exit may end it.
 """
 from __future__ import annotations
 

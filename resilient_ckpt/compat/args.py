@@ -18,6 +18,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..core import layout
 from ..errors import ItemNotFoundError, UnsupportedArgsError
 
 DEFAULT_ITEM = "default"
@@ -153,6 +154,7 @@ def save_items(args: Any, declared: frozenset[str] | None = None
     if _is_composite(args):
         out = []
         for name, a in args.items():
+            layout.check_item_name(name, "save")
             if a is None:
                 continue
             if declared is not None and name not in declared:

@@ -56,6 +56,21 @@ def compress_into(data, out: np.ndarray, level: int = 1) -> int | None:
         return got if not r.read(1) else None
 
 
+FRAME_HEADER_MAX = 18  # the most bytes a zstd frame header takes
+
+
+def frame_content_size(head: bytes) -> int | None:
+    """The decoded size a zstd frame's header (its first bytes, up to
+    FRAME_HEADER_MAX) records; None when it is no frame header or records none
+    (every frame written here records it)."""
+    import zstandard
+    try:
+        n = zstandard.frame_content_size(head)
+    except zstandard.ZstdError:
+        return None
+    return n if n >= 0 else None
+
+
 def _fill(stream, view: memoryview) -> int:
     """Reads `stream` into `view` until it is full or the stream ends; the
     bytes read."""

@@ -11,7 +11,9 @@ it; `.rc-writer.lock` in a file tier's root is the writer lock (writer_lock.py).
 What a step number may be is `check_step`'s, the one check every entry point
 that takes a step from a user (save, restore, delete, the CLI) makes. What a
 name read from storage must be before it becomes part of a path (an item's
-name, an array's, a step directory's) is `check_name`'s: one path component.
+name, an array's, a step directory's) is `check_name`'s: one path component
+(`is_name`); an item name the caller gives a save passes the same rule
+(`check_item_name`).
 """
 from __future__ import annotations
 
@@ -51,22 +53,43 @@ def check_step(step: object, what: str = "this call") -> int:
     return n
 
 
-def check_name(name: object, what: str) -> str:
-    """`name` when it can be ONE path component: a non-empty string, not `.`
+def is_name(name: object) -> bool:
+    """Whether `name` can be ONE path component: a non-empty string, not `.`
     or `..`, without `/`, `\\` or NUL, at most MAX_NAME_BYTES bytes as a file
-    name; otherwise CorruptCheckpointError naming it and `what` (where it was
-    read). Every name read from storage passes here before it is joined to a
-    directory, so no such name can make a path reach outside it."""
+    name. The one rule for every name that may become part of a path."""
     try:
         size = len(os.fsencode(name)) if isinstance(name, str) else 0
     except UnicodeEncodeError:  # a surrogate no file name holds
         size = 0
-    if not 0 < size <= MAX_NAME_BYTES or name in (".", "..") \
-            or any(c in name for c in "/\\\0"):  # type: ignore[operator]
+    return 0 < size <= MAX_NAME_BYTES and name not in (".", "..") \
+        and not any(c in name for c in "/\\\0")  # type: ignore[operator]
+
+
+_RULE = (f"a non-empty name, not '.' or '..', without '/', '\\' or NUL, at most "
+         f"{MAX_NAME_BYTES} bytes")
+
+
+def check_name(name: object, what: str) -> str:
+    """`name` when it is one path component (`is_name`); otherwise
+    CorruptCheckpointError naming it and `what` (where it was read). Every
+    name read from storage passes here before it is joined to a directory, so
+    no such name can make a path reach outside it."""
+    if not is_name(name):
         raise CorruptCheckpointError(
-            f"{what} {short(name)} is not one path component (a non-empty name, not '.' "
-            f"or '..', without '/', '\\' or NUL, at most {MAX_NAME_BYTES} bytes); it was "
-            "not used as a path: the checkpoint is damaged or hostile")
+            f"{what} {short(name)} is not one path component ({_RULE}); it was not used "
+            "as a path: the checkpoint is damaged or hostile")
+    return name  # type: ignore[return-value]
+
+
+def check_item_name(name: object, what: str) -> str:
+    """`name`, an item name the caller gives (a Composite's key), when it is one
+    path component (`is_name`): an item is a directory of an Orbax step (export
+    writes one), so any other name would write outside it or not export at
+    all. Otherwise ValueError naming it and `what`."""
+    if not is_name(name):
+        raise ValueError(f"{what}: item name {short(name)} is not one path component "
+                         f"({_RULE}); an item becomes a directory of the step when "
+                         "exported: name it with one component, e.g. 'params'")
     return name  # type: ignore[return-value]
 
 

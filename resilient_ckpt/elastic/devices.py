@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 import jax
 from jax.sharding import Mesh
@@ -57,13 +58,16 @@ def wait_for_mesh(health: HealthFn, choose: ChooseMesh, full_mesh: Mesh,
         time.sleep(policy.poll_s)
 
 
-def drop_arrays(lost: set, clear_caches: bool) -> None:
-    """Deletes every live array with a buffer on a lost device, then (with
-    `clear_caches`) jax's compiled caches, whose executables may name those devices."""
+def drop_arrays(lost: set, clear_caches: bool, keep: Collection[int] = ()) -> None:
+    """Deletes every live array with a buffer on a lost device, except those
+    whose `id()` is in `keep` (another thread waits on them and frees them
+    itself), then (with `clear_caches`) jax's compiled caches, whose
+    executables may name those devices."""
     if lost:
         for a in jax.live_arrays():
             try:
-                if not a.is_deleted() and not lost.isdisjoint(a.devices()):
+                if (id(a) not in keep and not a.is_deleted()
+                        and not lost.isdisjoint(a.devices())):
                     a.delete()
             except Exception as e:  # noqa: BLE001 - a dead buffer may refuse even this
                 log.debug("could not delete a live array on a lost device: %s", e)

@@ -26,6 +26,10 @@ The other errors name no device: a Pathways slice loss is a `JaxRuntimeError`
 whose text says DATA_LOSS (or DEADLINE_EXCEEDED, NOT_FOUND, INTERNAL), a gloo
 peer loss names a peer address. For those the health check tells the lost
 devices.
+
+Threads: `HealthCheck` probes each device in a daemon thread `rc-health-<id>`
+and waits for them up to its timeout: a hung device never answers, so its
+probe must not hold up interpreter exit (a healthy one ends in milliseconds).
 """
 from __future__ import annotations
 

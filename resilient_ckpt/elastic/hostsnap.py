@@ -28,6 +28,17 @@ mesh (`likely_meshes`) runs are compiled in a background thread
 (`hostrestore.prepare_leaf`), so none compiles on the recovery path. The
 loop's helpers at the end (`for_loop`, `snapshot_due`, `restore_first`,
 `lose`) are what `Elastic` calls.
+
+Threads, neither a daemon (a thread killed inside XLA at interpreter exit
+aborts the process): `rc-hostsnap`, one per snapshot, waits for its copies
+and checksums, then commits or discards it; it ends once they are done, and
+interpreter exit waits for it. Devices lost meanwhile (`lose`, which the loop
+calls before it deletes anything on them) make it discard the snapshot and
+free its arrays itself: no other thread deletes arrays it is reading
+(`in_flight`), which on the CPU backend would crash the process.
+`rc-hostsnap-compile`, started by a commit, compiles the restore's programs
+leaf by leaf; exit waits for the leaf in flight, and it stops at a loss or
+once the main thread has ended.
 """
 from __future__ import annotations
 
@@ -87,6 +98,11 @@ class _Snapshot:
     lost: set[int] = dataclasses.field(default_factory=set)
     checks: list[tuple[int, list[int], jax.Array]] = dataclasses.field(default_factory=list)
     thread: threading.Thread | None = None
+    settled: bool = False   # the commit thread no longer waits on its arrays
+
+    def arrays(self) -> list[jax.Array]:
+        """Its copies and the checksums not yet read: what the commit thread waits on."""
+        return list(self.copies.values()) + [arr for _, _, arr in self.checks]
 
 
 class HostSnapshotTier:
@@ -172,7 +188,7 @@ class HostSnapshotTier:
                 snap.checks.append((li, bis, self._programs.checksums(
                     [sources[(li, bi)] for bi in bis])))
         snap.thread = threading.Thread(target=self._commit, args=(snap,), name="rc-hostsnap",
-                                       daemon=True)
+                                       daemon=False)
         with self._lock:
             self._pending = snap
         snap.thread.start()
@@ -206,17 +222,26 @@ class HostSnapshotTier:
         return True
 
     def _commit(self, snap: _Snapshot) -> None:
-        """Background: waits for the copies and checksums, then commits."""
+        """Background: waits for the copies and checksums, then commits; or,
+        when the wait failed or devices were lost meanwhile (`lose`), discards
+        the snapshot and frees its arrays, which no one else deletes."""
         step = snap.record.step
         try:
-            snap.record = _completed(snap)
+            record, why = _completed(snap), ""
         except Exception as e:  # noqa: BLE001 - a failed snapshot is dropped, training goes on
-            log.warning("host snapshot of step %d failed and is not kept: %s", step, e)
-            _delete(snap.copies.values())
+            record, why = None, f"failed and is not kept: {e}"
+        with self._lock:
+            snap.settled = True
+            if snap.lost and not why:
+                why = (f"discarded: devices {sorted(snap.lost)} were lost while it was "
+                       f"being copied")
+        if record is None or why:
+            log.warning("host snapshot of step %d %s", step, why)
+            _delete(snap.arrays())
             with self._lock:
                 self._pending = None
             return
-        snap.checks = []
+        snap.record, snap.checks = record, []
         with self._lock:
             self._snaps[step] = snap
             for s in hostplan.beyond_keep(self._snaps, self.keep):
@@ -228,15 +253,18 @@ class HostSnapshotTier:
     def _start_prepare(self, snap: _Snapshot) -> None:
         """After a commit: compiles the restore's programs for `likely_meshes` in
         the background, once per layout of the state (in a thread of its own, so
-        the next `take` does not wait for it; not a daemon: interpreter exit
-        waits for a compile in flight rather than killing it inside XLA)."""
+        the next `take` does not wait for it). Not a daemon (a thread started
+        from the commit thread would be one unless told): interpreter exit
+        waits for the compile in flight rather than killing it inside XLA, and
+        none is started or continued once the main thread has ended."""
         sig = tuple((li, mesh_key(m), str(p)) for li, (m, p) in snap.shardings.items())
-        if self.likely_meshes is not None and sig not in self._prepared:
+        if (self.likely_meshes is not None and sig not in self._prepared
+                and threading.main_thread().is_alive()):
             self._prepared.add(sig)
             t = threading.Thread(
-                target=_prepare, name="rc-hostsnap-compile",
+                target=_prepare, name="rc-hostsnap-compile", daemon=False,
                 args=(snap.record, snap.shardings, self.likely_meshes, self._programs,
-                      lambda: sig in self._prepared))
+                      lambda: sig in self._prepared and threading.main_thread().is_alive()))
             t.start()
             self.preparing = t  # published started: a reader may join it at once
 
@@ -278,12 +306,23 @@ class HostSnapshotTier:
         return list(self._snaps.values()) + [p for p in pending if p not in self._snaps.values()]
 
     def lose(self, device_ids: Collection[int]) -> None:
-        """The copies on these devices' hosts are gone (the devices were lost)."""
+        """The copies on these devices' hosts are gone (the devices were lost).
+        A snapshot still in flight is discarded by its commit thread once its
+        wait on its arrays is over (`wait`); until then, `in_flight` names them."""
         with self._lock:
             for snap in self._held():
                 snap.lost |= set(device_ids)
         self._programs.drop(device_ids)
         self._prepared.clear()
+
+    def in_flight(self) -> set[int]:
+        """The ids (`id()`) of the arrays the commit thread may still read:
+        the snapshot in flight's copies and checksums. Whoever deletes what lies
+        on lost devices leaves these to the tier: on the CPU backend, deleting
+        an array another thread is reading crashes the process."""
+        with self._lock:
+            snap = self._pending
+            return {id(a) for a in snap.arrays()} if snap and not snap.settled else set()
 
     def corrupt(self, step: int, copy: Copy, array: jax.Array) -> None:
         """Replaces one copy's array (tests: an injected fault of host memory)."""
@@ -375,7 +414,8 @@ def _prepare(record: SnapshotRecord, shardings: dict[int, tuple[Mesh, PartitionS
              likely: Callable[[Mesh], Sequence[Mesh]], programs: ondevice.Programs,
              wanted: Callable[[], bool]) -> None:
     """Compiles the programs restoring each leaf onto its spec on the meshes
-    `likely` names for its mesh, while `wanted()` (a loss since stops it). A
+    `likely` names for its mesh, while `wanted()` (a loss since, or the main
+    thread's end, stops it). A
     leaf that fails (say its spec does not fit a smaller mesh) is logged; its
     restore compiles what it needs."""
     t0, n, meshes = time.perf_counter(), 0, dict[tuple, Sequence[Mesh]]()
@@ -386,6 +426,8 @@ def _prepare(record: SnapshotRecord, shardings: dict[int, tuple[Mesh, PartitionS
             if mesh_key(mesh) not in meshes:
                 meshes[mesh_key(mesh)] = likely(mesh)
             for m in meshes[mesh_key(mesh)]:
+                if not wanted():
+                    return
                 n += hostrestore.prepare_leaf(li, record.leaves[li],
                                               NamedSharding(m, spec), programs)
         except Exception as e:  # noqa: BLE001 - only a head start: the restore compiles it
@@ -423,10 +465,16 @@ def snapshot_due(tier: HostSnapshotTier | None, step: int, state: Any) -> None:
         tier.take(step, state)
 
 
-def lose(tier: HostSnapshotTier | None, device_ids: Collection[int]) -> None:
-    """After a failure: the copies on the lost devices' hosts are gone."""
-    if tier is not None:
-        tier.lose(device_ids)
+def lose(tier: HostSnapshotTier | None, device_ids: Collection[int], wait_s: float) -> set[int]:
+    """After a failure, before anything on the lost devices is deleted: the
+    copies on their hosts are gone, and a snapshot in flight is discarded
+    (waiting up to `wait_s` for its commit thread). Returns the ids of the
+    arrays still to leave to the tier (`in_flight`)."""
+    if tier is None:
+        return set()
+    tier.lose(device_ids)
+    tier.wait(wait_s)
+    return tier.in_flight()
 
 
 def restore_first(tier: HostSnapshotTier | None, manager: ManagerLike, abstract: Any,

@@ -304,8 +304,9 @@ class Elastic:
         if mesh is None:
             self._give_up(ev, exc, why)
         lost = set(self.full_mesh.devices.flat) - set(mesh.devices.flat)
-        drop_arrays(lost, self._clear_caches)
-        lose(self.host_snapshot, ev.lost_devices)
+        busy = lose(self.host_snapshot, ev.lost_devices,  # first: a snapshot in flight
+                    self.retry.health_timeout_s)
+        drop_arrays(lost, self._clear_caches, keep=busy)
         if self._programs is not None:
             self._programs.drop(d.id for d in lost)
         self._watch.cancel()

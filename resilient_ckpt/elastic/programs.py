@@ -5,6 +5,11 @@ background thread that fills it for the meshes the loop is likely to need
 (each one data row lost; a larger mesh once lost devices are back), so that a
 compile leaves the recovery path, and the answer to "is that mesh's program
 ready?" (`built`).
+
+Threads: `rc-precompile` (`Programs.start`) builds one mesh's program after
+the other. It is not a daemon: interpreter exit waits for the build in
+flight (a thread killed inside XLA aborts the process) and builds no more
+once the main thread has ended.
 """
 from __future__ import annotations
 
@@ -69,8 +74,9 @@ class Programs:
 
     def start(self, meshes: Sequence[Mesh]) -> None:
         """Builds, one after the other in a background thread, those not yet
-        built. Not a daemon: interpreter exit waits for a compile in flight
-        rather than killing it inside XLA."""
+        built. Not a daemon: interpreter exit waits for the build in flight
+        rather than killing it inside XLA; once the main thread has ended, the
+        rest are not built (their futures fail)."""
         todo = []
         with self._lock:
             for m in meshes:
@@ -83,6 +89,9 @@ class Programs:
 
         def work() -> None:
             for m, fut in todo:
+                if not threading.main_thread().is_alive():
+                    fut.set_exception(RuntimeError("not built: the interpreter is exiting"))
+                    continue
                 t0 = time.perf_counter()
                 try:
                     fut.set_result(self._build(m))
@@ -90,7 +99,7 @@ class Programs:
                              dict(m.shape), time.perf_counter() - t0)
                 except BaseException as e:  # noqa: BLE001 - handed to whoever asks for it
                     fut.set_exception(e)
-        threading.Thread(target=work, name="rc-precompile").start()
+        threading.Thread(target=work, name="rc-precompile", daemon=False).start()
 
     def done(self, mesh: Mesh) -> bool:
         """Not being built: built, failed (then `get` builds again, and raises,

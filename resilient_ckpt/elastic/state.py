@@ -17,6 +17,11 @@ allocated and touched ahead of time (`restore.Into` leaves): XLA owns them
 (the next step donates them), nothing is mapped (whose unmap the first step's
 dispatch would pay for) and no second copy is made; the price is one more
 copy of the state in host memory.
+
+Threads: `rc-reserve` (`StateReserve.start`) allocates and touches the
+reserve's buffers. It is not a daemon: interpreter exit waits for the
+allocation in flight (a thread killed inside jax aborts the process) and
+makes no more once the main thread has ended.
 """
 from __future__ import annotations
 
@@ -196,10 +201,16 @@ class StateReserve:
                 self._spares[mesh_key(m)] = fut
         if todo:
             threading.Thread(target=self._build, args=(todo,), name="rc-reserve",
-                             daemon=True).start()
+                             daemon=False).start()
 
     def _build(self, todo: list) -> None:
+        """Background (not a daemon: a daemon killed while jax allocates aborts
+        the process at exit; interpreter exit waits for the reserve in flight,
+        and none is built once the main thread has ended)."""
         for m, abstract, fut in todo:
+            if not threading.main_thread().is_alive():
+                fut.set_result(None)
+                continue
             try:
                 fut.set_result(_Spare(abstract))
             except Exception as e:  # noqa: BLE001 - a reserve is an optimisation

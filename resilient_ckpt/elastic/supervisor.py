@@ -16,6 +16,10 @@ fresh process opens its `CheckpointManager` and restores the newest step.
 
 Under a real scheduler, the scheduler's restart policy takes this module's
 place (docs/elastic.md, "Relaunch").
+
+Threads: `Supervisor.start` watches the job in a daemon thread `supervisor`
+(no jax: it waits on child processes and reads their reports), which `wait`
+waits for.
 """
 from __future__ import annotations
 

@@ -49,9 +49,10 @@ class RestoreRecord:
 
 
 # A chunk claiming fewer stored bytes than this is read without asking its
-# size first: allocating it is harmless, and its read fails the checksum if
-# the object is smaller, while a size request per chunk would cost a restore
-# from GCS a round trip per leaf.
+# size first, and a zstd chunk claiming fewer decoded bytes without reading
+# its frame's header first: allocating it is harmless, and its read fails if
+# the object holds less, while a request per chunk would cost a restore from
+# GCS a round trip per leaf.
 VOUCH_MIN_BYTES = 256 << 20
 
 
@@ -130,8 +131,10 @@ class ChunkReader:
         at selection). That tier is asked the object's size; a copy of another
         size is marked bad, as a failed read is (the next copy is tried; with
         none left, CorruptCheckpointError names the step and restore() falls
-        back to an older one). So no claim is allocated on a manifest's word
-        alone: a 4 KiB object claimed as 32 TiB raised ENOMEM before any read."""
+        back to an older one). A zstd chunk's claimed decoded size is checked
+        against its frame's header the same way, on every tier. So no claim is
+        allocated on a manifest's word alone: a 4 KiB object claimed as 32 TiB
+        raised ENOMEM before any read."""
         todo = [c for c in chunks if self._unvouched(c)]
         if len(todo) == 1:
             self._vouch(todo[0], where)
@@ -140,8 +143,16 @@ class ChunkReader:
 
     def _unvouched(self, c: ChunkRecord) -> bool:
         tier = self.first_copy(c)
-        return c.stored_nbytes >= VOUCH_MIN_BYTES and tier is not None and \
-            self.storages[tier].sizes_from_manifest and (tier, c.key) not in self._vouched
+        return tier is not None and (tier, c.key) not in self._vouched and \
+            self._doubt(c, self.storages[tier])
+
+    @staticmethod
+    def _doubt(c: ChunkRecord, st: Storage) -> bool:
+        """Whether the copy of `c` on `st` is checked before allocating: its
+        stored size where it came from the manifest, or the size a zstd frame
+        decodes to (up to 32768 times its stored size, `MAX_ZSTD_RATIO`)."""
+        return (c.stored_nbytes >= VOUCH_MIN_BYTES and st.sizes_from_manifest) or \
+            (c.codec == "zstd" and c.nbytes >= VOUCH_MIN_BYTES)
 
     def _vouch(self, c: ChunkRecord, where: str) -> None:
         tried = []
@@ -149,18 +160,13 @@ class ChunkReader:
             st = self.storages[tier]
             if (tier, c.key) in self.bad:
                 continue
-            if not st.sizes_from_manifest or (tier, c.key) in self._vouched:
+            if not self._doubt(c, st) or (tier, c.key) in self._vouched:
                 return  # observed at selection, or asked already
-            try:
-                size: int | None | StorageError = st.size(f"{self.dir}/{c.key}")
-            except StorageError as e:
-                size = e
-            if size == c.stored_nbytes:
+            why = self._why_not(c, st)
+            if why is None:
                 with self._lock:
                     self._vouched.add((tier, c.key))
                 return
-            why = (f"{st.url}/{self.dir}/{c.key} is {size} bytes, its manifest claims "
-                   f"{c.stored_nbytes}" if not isinstance(size, StorageError) else str(size))
             tried.append(f"{tier}: {why}")
             self._failed(tier, c.key, f"step {self.choice.step}, {where}: chunk {c.key} in the "
                          f"{tier} tier: {why}; trying the next copy", why)
@@ -168,6 +174,28 @@ class ChunkReader:
             f"step {self.choice.step}, {where}: chunk {c.key} has no copy of the size its "
             f"manifest claims (tried {tried or 'none'}); nothing was allocated for it; "
             "restore an older step (latest_step() now skips this one)")
+
+    def _why_not(self, c: ChunkRecord, st: Storage) -> str | None:
+        """Why the copy of `c` on `st` is not what its manifest claims (None: it is):
+        its size, asked where it came from the manifest; for a zstd chunk, the
+        decoded size its frame header records (read: a few bytes)."""
+        key = f"{self.dir}/{c.key}"
+        try:
+            if c.stored_nbytes >= VOUCH_MIN_BYTES and st.sizes_from_manifest:
+                size = st.size(key)
+                if size != c.stored_nbytes:
+                    return f"{st.url}/{key} is {size} bytes, its manifest claims {c.stored_nbytes}"
+            if c.codec == "zstd" and c.nbytes >= VOUCH_MIN_BYTES:
+                head = bytearray(min(codec.FRAME_HEADER_MAX, c.stored_nbytes))
+                st.read_into(key, memoryview(head))
+                size = codec.frame_content_size(bytes(head))
+                if size != c.nbytes:
+                    return (f"the zstd frame of {st.url}/{key} decodes to "
+                            f"{'an unrecorded size' if size is None else f'{size} bytes'}, "
+                            f"its manifest claims {c.nbytes}")
+        except StorageError as e:
+            return str(e)
+        return None
 
     def whole(self, c: ChunkRecord, where: str, zero_copy: bool,
               out: np.ndarray | None = None) -> np.ndarray:

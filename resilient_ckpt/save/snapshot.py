@@ -17,6 +17,10 @@ finds no slab ready takes views instead of copies (`viewed`: nothing copied on
 the training thread); the views go when the tiers let go of the snapshot, and
 then the pool faults a slab in for the next save in the background (not
 before: faulting in on both cores beside the save's own writes slowed them).
+
+Threads: `rc-pool-warm`, a daemon that faults one slab in (`native.hostmem`,
+whose own pool interpreter exit joins); it touches no jax array, so exit may
+end it and the slab is simply not kept.
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from ..elastic.failures import HealthCheck
+from ..elastic.hostsnap import HostSnapshotTier
 
 log = logging.getLogger("resilient_ckpt.testing.faults")
 
@@ -78,11 +79,18 @@ class FaultInjector:
 
     `check`: the real health check for devices that are not lost (default: a
     new `HealthCheck`, compiled for every device now, off the recovery path).
-    `log` lists what was injected and repaired, and when.
+    `host_snapshot`: the loop's `HostSnapshotTier`, if any: a loss tells it
+    first (`lose`) and waits for its snapshot in flight to be discarded
+    before deleting anything: its commit thread reads that snapshot's arrays,
+    and on the CPU backend deleting an array another thread is reading crashes
+    the process, which no real loss does. `log` lists what was injected and
+    repaired, and when.
     """
 
-    def __init__(self, faults: Sequence[DeviceFault], check: HealthCheck | None = None):
+    def __init__(self, faults: Sequence[DeviceFault], check: HealthCheck | None = None,
+                 host_snapshot: HostSnapshotTier | None = None):
         self.faults = tuple(sorted(faults, key=lambda f: f.step))
+        self.host_snapshot = host_snapshot
         if check is None:
             check = HealthCheck()
             check.prepare(jax.devices())
@@ -139,6 +147,9 @@ class FaultInjector:
         return healthy
 
     def _fire(self, f: DeviceFault, step: int) -> InjectedDeviceLoss:
+        if self.host_snapshot is not None:
+            self.host_snapshot.lose(f.devices)
+            self.host_snapshot.wait()
         deleted = delete_buffers_on(self.lost)
         t = time.perf_counter()  # the step raises now: the loop's detection starts here
         self.log.append({"event": "fault", "step": step, "devices": f.devices, "time": t,
@@ -150,12 +161,15 @@ class FaultInjector:
 
 def delete_buffers_on(device_ids: Collection[int]) -> int:
     """Deletes the buffer of every shard of every live jax array that lies on one
-    of `device_ids`; the arrays stay, and reading them fails. Returns the count."""
+    of `device_ids`; the arrays stay, and reading them fails. Returns the count.
+    Each array is first waited for: on the CPU backend, deleting a buffer that a
+    copy is still writing corrupts the process's memory, which no real loss does."""
     ids, n = set(device_ids), 0
     for a in jax.live_arrays():
         try:
             if a.is_deleted() or ids.isdisjoint(d.id for d in a.devices()):
                 continue
+            a.block_until_ready()
             for shard in a.addressable_shards:
                 if shard.device.id in ids:
                     shard.data.delete()

@@ -45,3 +45,17 @@ def test_refuses_a_frame_of_the_wrong_size_or_shape(what, nbytes, stored):
     n = nbytes(raw.nbytes)
     with pytest.raises(CorruptCheckpointError, match="zstd frame"):
         codec.decode("zstd", stored(_packed(raw)), n, np.empty(max(n, 0), np.uint8))
+
+
+def test_every_frame_written_records_its_decoded_size():
+    """The restore checks a large zstd chunk's claim against this before
+    allocating (`ChunkReader.vouch`), so every way a frame is written records it."""
+    import io
+    data = np.arange(100_000, dtype=np.uint8)
+    out = np.empty(200_000, np.uint8)
+    n = codec.compress_into(data, out)
+    stream = codec.compress_stream(io.BytesIO(data.tobytes()), 1, data.nbytes, 4096).read()
+    for frame in (codec.compress(data), out[:n].tobytes(), stream):
+        assert codec.frame_content_size(frame[:codec.FRAME_HEADER_MAX]) == data.nbytes
+    for junk in (b"", b"abc", b"\0" * 18):
+        assert codec.frame_content_size(junk) is None

@@ -23,6 +23,7 @@ import google_crc32c
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import zstandard
 
 import resilient_ckpt as rc
 from resilient_ckpt.core import layout
@@ -48,6 +49,17 @@ def _forge(path: str, elements: int, codec: str) -> None:
                  block_crc32c=[])
     if codec == "raw":
         chunk["stored_nbytes"] = elements
+    body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
+    with open(path, "wb") as f:
+        f.write(body + TRAILER + b"%d}" % google_crc32c.value(body))
+
+
+def _restamp(path: str, stored_nbytes: int) -> None:
+    """Sets the one chunk's stored size in the manifest at `path`, re-signed."""
+    with open(path, "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("manifest_crc32c")
+    doc["items"][0]["leaves"][0]["chunks"][0]["stored_nbytes"] = stored_nbytes
     body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
     with open(path, "wb") as f:
         f.write(body + TRAILER + b"%d}" % google_crc32c.value(body))
@@ -90,6 +102,30 @@ def test_a_zstd_chunk_claiming_more_than_its_object_holds_is_corrupt(tmp_path, e
     _forge(os.path.join(d, "2", layout.manifest_name(0, 1)), elements, "zstd")
     with rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(
             tiers=(rc.LocalTier(),))) as m:
+        _check_falls_back(m)
+
+
+@pytest.mark.parametrize("elements", [2**31, 2**33], ids=["2GiB", "8GiB"])
+def test_a_zstd_claim_within_the_ratio_cap_is_checked_against_its_frame(tmp_path, elements):
+    """A real zstd frame of 256 KiB (random bytes: it does not shrink) that a
+    manifest claims decodes to `elements` bytes, within MAX_ZSTD_RATIO of its
+    stored size, so the parser takes it: the restore reads the frame's header
+    (the size it records) before allocating, finds it is not the claim and
+    treats the copy as corrupt (before, the claim was allocated and filled in
+    before the decode failed)."""
+    d = str(tmp_path / "ckpt")
+    _saved(d)
+    path = os.path.join(d, "2", layout.manifest_name(0, 1))
+    _forge(path, elements, "zstd")
+    with open(path, "rb") as f:
+        (chunk,) = json.loads(f.read())["items"][0]["leaves"][0]["chunks"]
+    frame = zstandard.ZstdCompressor().compress(np.random.default_rng(0).bytes(256 << 10))
+    with open(os.path.join(d, "2", chunk["key"]), "wb") as f:
+        f.write(frame)
+    _restamp(path, len(frame))
+    with rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(
+            tiers=(rc.LocalTier(),))) as m:
+        assert m.all_steps() == [1, 2]  # the claim passes the parser's ratio cap
         _check_falls_back(m)
 
 

@@ -20,6 +20,7 @@ from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTie
 from resilient_ckpt.cli import interop
 from resilient_ckpt.core import layout
 from resilient_ckpt.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+from resilient_ckpt.native import crc32c
 from tests.support import effort
 from tests.support.cli import run
 
@@ -30,11 +31,23 @@ def tree(seed=0):
 
 
 def ours(d, items):
-    """Step 5 of our format at `d` holding one StandardSave per item name."""
+    """Step 5 of our format at `d` holding one StandardSave per item name.
+    A name `save` refuses is written as `save` would not: saved under another
+    name, then renamed in the manifest, re-signed (a hostile writer's step)."""
     opts = CheckpointManagerOptions(tiers=[LocalTier()])
+    given = {n if layout.is_name(n) else f"item{i}": n for i, n in enumerate(items)}
     with CheckpointManager(d, options=opts) as m:
-        m.save(5, args=ocp.args.Composite(**{n: ocp.args.StandardSave(tree()) for n in items}))
+        m.save(5, args=ocp.args.Composite(**{n: ocp.args.StandardSave(tree()) for n in given}))
         m.wait_until_finished()
+    path = os.path.join(d, "5", "manifest.0-of-1.json")
+    with open(path, "rb") as f:
+        doc = json.loads(f.read())
+    doc.pop("manifest_crc32c")
+    for it in doc["items"]:
+        it["name"] = given[it["name"]]
+    body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
+    with open(path, "wb") as f:
+        f.write(body + b',"manifest_crc32c":%d}' % crc32c.value(body))
     return d
 
 
@@ -66,7 +79,7 @@ BAD_NAMES = ["..", "../evil", "a/b", "x" * 300, "nul\x00byte"]
 def test_export_refuses_an_item_name_that_is_not_one_path_component(tmp_path, name):
     if name == "ABS":
         name = str(tmp_path / "outside")
-    d = ours(tmp_path / "ours", [name])  # a save takes any item name: chunks are not named by it
+    d = ours(tmp_path / "ours", [name])  # written by a hostile writer: `save` refuses the name
     dest = tmp_path / "dest"
     with pytest.raises(CorruptCheckpointError, match="item name .*one path component"):
         interop.export_step(d, 5, dest)
@@ -77,9 +90,34 @@ def test_export_refuses_an_item_name_that_is_not_one_path_component(tmp_path, na
 def test_check_name_is_the_one_rule():
     for good in ["default", "a.b", "step_7", "x" * 255]:
         assert layout.check_name(good, "item name") == good
+        assert layout.check_item_name(good, "save") == good and layout.is_name(good)
     for bad in BAD_NAMES + ["", ".", "/abs", 7, None, "\udcff" * 300, "\ud800"]:
+        assert not layout.is_name(bad)
         with pytest.raises(CorruptCheckpointError, match="one path component"):
             layout.check_name(bad, "item name")
+        with pytest.raises(ValueError, match="one path component") as info:
+            layout.check_item_name(bad, "save")
+        assert not isinstance(info.value, CheckpointError)  # the caller's input, not storage
+
+
+@pytest.mark.parametrize("name", BAD_NAMES + ["", ".", "/abs", "back\\slash"])
+@pytest.mark.parametrize("kind", ["StandardSave", "JsonSave"])
+def test_save_refuses_an_item_name_that_is_not_one_path_component(tmp_path, name, kind):
+    """Before, `save` took any Composite key (chunks are not named by it) and
+    the step was then refused by `export`, or exported outside DEST by an
+    older tool: now a ValueError naming the item, before anything is written."""
+    value = ocp.args.StandardSave(tree()) if kind == "StandardSave" else ocp.args.JsonSave({"a": 1})
+    d = tmp_path / "ours"
+    with CheckpointManager(d, options=CheckpointManagerOptions(tiers=[LocalTier()])) as m:
+        with pytest.raises(ValueError, match="item name .*one path component") as info:
+            m.save(1, args=ocp.args.Composite(good=ocp.args.StandardSave(tree()),
+                                              **{name: value}))
+        assert repr(name)[:40].strip("'") in str(info.value)
+        assert m.all_steps() == [] and m.latest_step() is None
+        m.save(1, args=ocp.args.Composite(good=ocp.args.StandardSave(tree())))  # the step is free
+        m.wait_until_finished()
+        assert m.all_steps() == [1]
+    assert sorted(os.listdir(d)) == [".rc-tiers.json", ".rc-writer.lock", "1"]
 
 
 def own(path):
