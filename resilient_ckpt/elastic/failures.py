@@ -43,6 +43,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..core.ambient import apart
+
 log = logging.getLogger("resilient_ckpt.failures")
 
 # The Pathways slice-down family (pathwaysutils/elastic/elastic.py): DATA_LOSS for
@@ -211,6 +213,7 @@ class HealthCheck:
         for d in devices:
             self._executable(d)
 
+    @apart()
     def _executable(self, device: jax.Device) -> Any:
         with self._lock:
             exe = self._compiled.get(device)
@@ -222,6 +225,7 @@ class HealthCheck:
                 self._compiled[device] = exe
         return exe
 
+    @apart()
     def probe(self, device: jax.Device) -> None:
         """Raises unless `device` computes 41 + 1 correctly."""
         out = int(self._executable(device)(jax.device_put(np.int32(41), device)))

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..core.ambient import apart
+
 AXIS = "rc_block"
 
 
@@ -175,6 +177,7 @@ class Programs:
         with self._lock:
             return list(self._cache)
 
+    @apart()
     def checksums(self, arrays: Sequence[jax.Array]) -> jax.Array:
         """Per array (single-device, ndim >= 1, one shape and dtype, distinct
         devices), its `checksum`, as an (n, 2) array on those devices
@@ -188,6 +191,7 @@ class Programs:
         ).lower(jax.ShapeDtypeStruct(stacked.shape, stacked.dtype,
                                      sharding=stacked.sharding)).compile())(stacked)
 
+    @apart()
     def prepare_assemble(self, devices: Sequence[jax.Device], layout: tuple, dtype: Any) -> Any:
         """The executable `assemble` runs for blocks of `layout` and `dtype`
         moved to `devices` (compiled now unless it is held)."""
@@ -210,6 +214,7 @@ class Programs:
                               for shape, _, _ in layout[1]]).compile()
         return self._get(key, make)
 
+    @apart()
     def assemble(self, moved: Sequence[Sequence[jax.Array]], layout: tuple
                  ) -> tuple[list[jax.Array] | None, jax.Array]:
         """`moved[i][k]`: the k-th block moved to the i-th device (each device

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ..core.ambient import apart
 from ..restore.assemble import Into
 from .mesh import mesh_ids, mesh_key
 from .protocol import ManagerLike
@@ -117,6 +118,7 @@ _MIN_RESERVED = 1 << 20  # smaller leaves are left as restored: their first writ
 class _Spare:
     """The touched buffers for one abstract state."""
 
+    @apart()
     def __init__(self, abstract: Any):
         leaves, self.treedef = jax.tree.flatten(abstract)
         self.index = [i for i, x in enumerate(leaves) if _reservable(x)]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..core.ambient import apart
 from ..native.hostmem import carve, host_buffer
 
 # Bytes of leaves packed per program, over all of this process's devices:
@@ -60,6 +61,7 @@ def can_fill(sharding: jax.sharding.Sharding) -> bool:
     return any(a not in used for a in sharding.mesh.axis_names)
 
 
+@apart()
 def fill_all(holes: Sequence[tuple[jax.Array, dict]],
              group_bytes: int = GROUP_BYTES) -> tuple[list[jax.Array], bool]:
     """Each `array` (target-sharded, on a `can_fill` sharding) with every

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..compat import args as args_lib, metadata
 from ..core import layout
+from ..core.ambient import apart
 from ..core.manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
 from ..core.planner import plan_boxes, plan_target
 from ..core.pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
@@ -397,6 +398,7 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
 
 # ------------------------------------------------------------------ items of a step
 
+@apart()
 def restore_choice(choice: Choice, storages: Mapping[str, Storage], naming: layout.StepNaming,
                    requests: dict | None, is_composite: bool, record: RestoreRecord,
                    bad: set, declared: frozenset[str] | None, budget: int,

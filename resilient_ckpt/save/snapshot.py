@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from ..core import layout
+from ..core.ambient import apart
 from ..core.manifest import ChunkRecord, ItemRecord, LeafRecord, encode_scalar
 from ..core.planner import block_bytes_for, unique_boxes
 from ..core.pytree import flatten, leaf_kind
@@ -219,6 +220,7 @@ def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
+@apart()
 def describe_items(items: list[tuple[str, str, Any]], save_id: str, process_index: int,
                    replicas: bool = False
                    ) -> tuple[list[ItemRecord], list[tuple[int, int, tuple, str, Any, bool]]]:
@@ -364,6 +366,7 @@ def viewed(step: int, save_id: str, items: list[ItemRecord], sources: list,
 
 
 @functools.cache
+@apart()
 def _views_pin_buffers() -> bool:
     """Whether this jax keeps a CPU buffer that a numpy view holds: a jitted
     step that donates it gets a new buffer instead, and the view still reads

@@ -92,3 +92,27 @@ def test_the_fill_is_one_all_reduce_not_a_gather_of_every_replica(mesh3):
     h = jax.ShapeDtypeStruct((2, 4), np.bool_, sharding=NamedSharding(mesh3, P(rep, used)))
     hlo = peer_fill._select(mesh3, rep, used).lower(x, h).compile().as_text()
     assert "all-reduce" in hlo and "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+@pytest.mark.parametrize("how", ["context", "thread setting"])
+def test_the_fill_ignores_the_callers_mesh_context(mesh3, how):
+    """The caller's own mesh of some of the devices (jax.set_mesh, as a
+    context or as the thread's setting) does not reach the fill's program:
+    it was refused ("incompatible devices ... jit's context mesh")."""
+    first = set(mesh3.devices[0].flat)
+    have = {d: d in first for d in mesh3.devices.flat}
+    host, a = _leaves(mesh3)[0]
+    theirs = Mesh(np.array(jax.devices()[:4]), ("x",))
+    if how == "context":
+        with jax.set_mesh(theirs):
+            filled, ok = peer_fill.fill_all([(_zeroed(a, have), have)])
+            assert jax.sharding.get_mesh() is theirs  # the caller's context is left as it was
+    else:
+        jax.set_mesh(theirs)
+        try:
+            filled, ok = peer_fill.fill_all([(_zeroed(a, have), have)])
+        finally:
+            jax.set_mesh(None)
+    assert ok
+    for s in filled[0].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
