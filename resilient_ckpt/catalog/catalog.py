@@ -316,8 +316,14 @@ class Catalog:
             return self.viable().get(step)
         shared = {n for n, st in self._tiers if st.shared} if own_only else set()
         with self._lock:
-            partial = [t for t, s in self._partial if s == step and t not in shared]
-        for tier in partial:  # the other processes' manifests, read now (`committed`)
+            agreed = self._job.steps.get(step)
+            partial = {t for t, s in self._partial if s == step and t not in shared}
+            if agreed is not None:  # a view read before every writer there committed
+                partial |= {t for t, st in self._tiers if st.shared and t not in shared
+                            and t in agreed.complete_in
+                            and _writers(self._views.get(t, {}).get(step), agreed)
+                            < agreed.count}
+        for tier in sorted(partial):  # the other processes' manifests, read now
             ts = tier_steps.observe_step(self.storages()[tier], tier, self._naming, step)
             with self._lock:
                 self._partial.discard((tier, step))
@@ -455,6 +461,12 @@ def _to_delete(tier: str, steps: Sequence[int], keep: int | None, rule: Retentio
         keep_checkpoints_without_metrics=rule.keep_without_metrics, protected=protected,
         policy=rule.policy if tier in rule.policy_tiers else None, times=times,
         keep_newest=rule.keep_newest)
+
+
+def _writers(ts: selection.TierStep | None, agreed: shares.AgreedStep) -> int:
+    """How many writers of the agreed save `ts` holds a manifest of."""
+    return len({m.process_index for m in (ts.manifests if ts else ())
+                if isinstance(m, Manifest) and m.save_id == agreed.save_id})
 
 
 def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: dict,

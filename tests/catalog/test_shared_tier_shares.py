@@ -15,8 +15,11 @@ import pytest
 
 import resilient_ckpt as rc
 from resilient_ckpt.catalog import tier_steps
-from resilient_ckpt.core import layout, manifest as mf
+from resilient_ckpt.catalog.catalog import Catalog, JobView
+from resilient_ckpt.core import layout, manifest as mf, shares
+from resilient_ckpt.multihost.agree import Peers
 from resilient_ckpt.storage.files import FileStorage
+from resilient_ckpt.testing.kvservice import KeyValueService
 from tests.support.corruption import device_state
 
 WRITERS = 4
@@ -105,3 +108,60 @@ def test_each_process_deletes_its_part_and_together_the_whole_step(shared, live)
                                            labels=mine) is None
     assert not os.path.exists(step_dir)  # the last one emptied it
     assert tier_steps.observe_step(shared, "local", layout.StepNaming(), 2) is not None
+
+
+def _catalog(st: FileStorage, index: int) -> Catalog:
+    """A catalog of process `index` of a simulated job of WRITERS processes
+    (the coordination service in-process, `testing.kvservice`)."""
+    job = KeyValueService(WRITERS)
+    peers = Peers(st.root, job=(job.client(index), index, WRITERS))
+    return Catalog([("local", st)], layout.StepNaming(), st.root, None, peers)
+
+
+def _agree_on(cat: Catalog, full: mf.Manifest) -> None:
+    """Installs what the job's agreement would decide: step 1, whole in the tier."""
+    cat.install(JobView({1: shares.AgreedStep(1, full.save_id, full.created, WRITERS,
+                                              frozenset({"local"}))}, set(), [], set(), []))
+
+
+def test_a_process_other_than_the_first_reads_its_own_shares_until_it_restores(
+        shared, monkeypatch):
+    reads = _reads(monkeypatch)
+    cat = _catalog(shared, 2)
+    cat.reload()
+    assert sorted(reads) == [layout.manifest_name(2, WRITERS)] * 2
+    (m,) = cat.view("local")[1].manifests
+    _agree_on(cat, m)
+    reads.clear()
+    choice = cat.choice(1)  # a restore of step 1 reads the step's other manifests
+    assert choice is not None and len(reads) == WRITERS
+    assert {c.key for _, _, c in choice.manifest.chunks()} == {
+        c.key for i in range(WRITERS)
+        for _, _, c in tier_steps.observe_step(shared, "local", layout.StepNaming(), 1,
+                                               labels=[i]).manifests[0].chunks()}
+    first = _catalog(shared, 0)
+    reads.clear()
+    first.reload()
+    assert len(reads) == 2 * WRITERS  # the first process reads them all (it reports them)
+
+
+def test_a_view_read_before_every_writer_committed_is_read_again_at_restore(shared):
+    """The first process listed step 1 while only writer 0 had committed it;
+    by the agreement every writer had: its restore reads the step again."""
+    step_dir = os.path.join(shared.root, "1")
+    later = {n: open(os.path.join(step_dir, n), "rb").read() for n in os.listdir(step_dir)
+             if n.startswith(layout.MANIFEST_PREFIX) and n != layout.manifest_name(0, WRITERS)}
+    for n in later:
+        os.unlink(os.path.join(step_dir, n))
+    cat = _catalog(shared, 0)
+    cat.reload()
+    (m,) = cat.view("local")[1].manifests
+    for n, data in later.items():
+        with open(os.path.join(step_dir, n), "wb") as f:
+            f.write(data)
+    _agree_on(cat, m)
+    choice = cat.choice(1)
+    assert choice is not None
+    held = {c.key for _, _, c in choice.manifest.chunks()}
+    every = tier_steps.observe_step(shared, "local", layout.StepNaming(), 1)
+    assert held == {c.key for x in every.manifests for _, _, c in x.chunks()}
