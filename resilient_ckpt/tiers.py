@@ -82,6 +82,14 @@ def _private_dir(path: str, create: bool) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return  # not there, and not to be made: nothing is read or written in it
+    check_private(path, st)
+
+
+def check_private(path: str, st: os.stat_result) -> None:
+    """UnsafeDirectoryError unless `st` (of `path`, not followed) is a
+    directory of ours that no group or other user can write: the check a
+    RAM tier's directory passes (`_private_dir`; the tool makes it on the
+    descriptor it then reads through)."""
     mode, me = stat.S_IMODE(st.st_mode), os.geteuid()
     if stat.S_ISLNK(st.st_mode):
         problem = "is a symbolic link"

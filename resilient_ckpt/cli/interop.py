@@ -26,10 +26,12 @@ CheckpointManager wrote, such a manager's root with `step`, or a directory a
 StandardCheckpointer wrote) and saves it through our CheckpointManager as a
 committed step. Nothing of that directory is trusted: compat/foreign.py
 checks every file before Orbax reads it (no link or special file, strict
-JSON, array names that stay inside the item, sizes this host can hold), and
-a step named past the step range is no step. Memory bound: the whole step,
-once, in host memory (Orbax restores each item whole, and our save takes
-the step in one call).
+JSON, array names that stay inside the item, and every item's arrays
+together at most `max_item_bytes`, by default a quarter of this host's
+memory, judged from the metadata before anything is allocated), and a step
+named past the step range is no step. Memory bound: the whole step, once,
+in host memory (Orbax restores each item whole, and our save takes the
+step in one call), so at most `max_item_bytes` per item.
 Both run in one process (a single-host job's directory).
 """
 from __future__ import annotations
@@ -306,19 +308,21 @@ def _json_item(path: str) -> Any:
     return value
 
 
-def _orbax_items(path: str) -> tuple[dict[str, Any], dict]:
+def _orbax_items(path: str, limit: int) -> tuple[dict[str, Any], dict]:
     """Each item of an Orbax step directory restored (`default` for a bare
     StandardCheckpointer directory), and the step's metadata; every file
-    checked first (compat/foreign.py)."""
+    checked first, and each item's arrays against `limit` bytes
+    (compat/foreign.py)."""
     foreign.check_entries(path)
     if os.path.lexists(os.path.join(path, "_METADATA")):
-        return {args_lib.DEFAULT_ITEM: foreign.read_pytree(path)}, {}
+        return {args_lib.DEFAULT_ITEM: foreign.read_pytree(path, limit)}, {}
     meta = foreign.step_metadata(path)
     out: dict[str, Any] = {}
     for name in sorted(os.listdir(path)):
         sub = os.path.join(path, name)
         if foreign.is_item(sub):
-            out[layout.check_name(name, f"item name in {path}:")] = foreign.read_pytree(sub)
+            out[layout.check_name(name, f"item name in {path}:")] = \
+                foreign.read_pytree(sub, limit)
         elif os.path.isdir(sub) and _is_json(meta, name):
             out[layout.check_name(name, f"item name in {path}:")] = _json_item(sub)
     if not out:
@@ -327,20 +331,27 @@ def _orbax_items(path: str) -> tuple[dict[str, Any], dict]:
     return out, meta
 
 
-def import_step(src: str, dest: str, step: int | None = None, options: Any = None) -> Moved:
+def import_step(src: str, dest: str, step: int | None = None, options: Any = None,
+                max_item_bytes: int | None = None) -> Moved:
     """Saves the Orbax checkpoint at `src` as committed `step` (default: the
     step Orbax gave it) of our CheckpointManager directory `dest` (with
-    `options`, default: its default tiers)."""
+    `options`, default: its default tiers). An item whose arrays together
+    claim more than `max_item_bytes` (default: a quarter of this host's
+    memory) is refused before anything is allocated or written."""
     import orbax.checkpoint as ocp
 
     from ..manager import CheckpointManager
     step = None if step is None else layout.check_step(step, "import")
+    limit = foreign.default_item_bytes() if max_item_bytes is None else max_item_bytes
+    if type(limit) is not int or limit < 1:
+        raise ValueError(f"import: max_item_bytes must be a whole number of bytes, at "
+                         f"least 1, got {max_item_bytes!r}")
     t0 = time.perf_counter()
     path, n = _orbax_step_dir(os.path.abspath(src), step)  # Orbax's steps: see foreign.py
     if n is None:
         raise ExportError(f"{src}: a StandardCheckpointer directory has no step number; "
                           "give one (--step N)")
-    items, meta = _orbax_items(path)
+    items, meta = _orbax_items(path, limit)
     kinds = {k: ocp.args.JsonSave if _is_json(meta, k) else ocp.args.StandardSave
              for k in items}
     save = ocp.args.StandardSave(items[args_lib.DEFAULT_ITEM]) \

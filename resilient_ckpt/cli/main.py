@@ -312,7 +312,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from . import interop
     try:
-        m = interop.import_step(args.directory, args.dest, step=args.step)
+        m = interop.import_step(args.directory, args.dest, step=args.step,
+                                max_item_bytes=args.max_item_bytes)
     except (StepNotFoundError, CorruptCheckpointError) as e:
         return _fail(str(e), 1)
     return _moved(m, args, "imported")
@@ -341,6 +342,18 @@ def _step(text: str) -> int:
             f"[0, {layout.MAX_STEP}]") from None
 
 
+def _bytes(text: str) -> int:
+    """A size argument: a whole number of bytes, at least 1, or one with a
+    binary suffix (16M is 16 MiB); anything else is a usage error."""
+    m = re.fullmatch(r"([0-9]{1,20})([KMGT]?)(?:i?B)?", text.strip(), re.IGNORECASE)
+    n = int(m.group(1)) << 10 * "_KMGT".index(m.group(2).upper() or "_") if m else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: a whole number of bytes, at least 1, optionally "
+            "with K, M, G or T (binary: 16M is 16 MiB)")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="resilient-ckpt", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -367,6 +380,9 @@ def parser() -> argparse.ArgumentParser:
     imp.add_argument("directory", help="an Orbax step, manager or StandardCheckpointer dir")
     imp.add_argument("dest", help="our CheckpointManager directory (its default tiers)")
     imp.add_argument("--step", type=_step, help="which Orbax step / the step to save it as")
+    imp.add_argument("--max-item-bytes", type=_bytes, metavar="N",
+                     help="refuse an item whose arrays hold more (a number, or with K, M, "
+                     "G or T for KiB ... TiB; default: a quarter of this host's memory)")
     imp.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 

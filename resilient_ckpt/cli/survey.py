@@ -3,8 +3,10 @@
 It finds the directory's tiers (the tiers record at its root, tierrecord.py,
 as a hint: a recorded tier is used only inside the directory, or as a RAM
 tier under /dev/shm that passes the manager's checks, never at a URL, and a
-record that is not valid is ignored, each with a warning; else the directory
-itself and the default RAM tier; `--tier NAME=PATH` overrides either),
+record that is not valid is ignored, each with a warning; a tier it uses is
+read through a storage pinned to the directory it checked, never through
+the place's name again; else the directory itself and the default RAM
+tier; `--tier NAME=PATH` overrides either),
 observes every tier with the manager's own reading code
 (`tier_steps.observe`, manifest parsing), judges each step with `selection`
 (`viable`, and `why_not` for the reason), and adds what the manager does not
@@ -16,6 +18,7 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -31,8 +34,8 @@ from ..errors import CorruptCheckpointError, UnsafeDirectoryError
 from ..native import crc32c
 from ..save import claim, tierrecord
 from ..save.tierrecord import TierEntry
-from ..storage import FileStorage, Storage
-from ..tiers import SHM, RamTier
+from ..storage import FileStorage, Storage, files
+from ..tiers import SHM, RamTier, check_private
 
 log = logging.getLogger("resilient_ckpt")
 
@@ -84,42 +87,72 @@ def _inside(path: str, home: str) -> bool:
 
 
 def _checked(e: TierEntry, path: str, rec: tierrecord.TiersRecord
-             ) -> tuple[TierEntry | None, str | None]:
+             ) -> tuple[TierEntry, Storage | None, str | None]:
     """A recorded tier of local directory `path`, where it may be used: a
     path in the directory, or a RAM tier's in /dev/shm, recorded for this
     directory (not for the one it was moved or copied from), that passes the
-    manager's own checks (`RamTier.open`: ours, not a link, not writable by
-    others); else None and why it is not used. A URL is never followed."""
+    manager's own checks (ours, not a link, not writable by others); else no
+    storage and why it is not used. A URL is never followed. The storage is
+    pinned to the directory that was checked (`_pin`), so whatever takes the
+    place's name afterwards (a link to elsewhere) is never used."""
     where = tierrecord.place(e, path)
+    entry = TierEntry(e.name, e.kind, where)
     if "://" in where:
-        return None, ("not followed: the record names a network place, which this "
-                      f"tool reaches only when given it (--tier {e.name}=URL)")
+        return entry, None, ("not followed: the record names a network place, which this "
+                             f"tool reaches only when given it (--tier {e.name}=URL)")
     if e.kind not in ("ram", "local"):
-        return None, f"kind {e.kind!r} is not a local tier's (ram, local)"
+        return entry, None, f"kind {e.kind!r} is not a local tier's (ram, local)"
     inside = _inside(where, path)
     if not inside and not (e.kind == "ram" and _inside(where, SHM)):
-        return None, (f"{where} is outside {path}"
-                      + (f" and {SHM}" if e.kind == "ram" else "")
-                      + " (a moved or copied directory's record, or a hostile one); "
-                      f"pass --tier {e.name}=PATH to use it")
+        return entry, None, (f"{where} is outside {path}"
+                             + (f" and {SHM}" if e.kind == "ram" else "")
+                             + " (a moved or copied directory's record, or a hostile one); "
+                             f"pass --tier {e.name}=PATH to use it")
     try:
         if not inside and not (rec.directory is not None and _inside(rec.directory, path)
                                and _inside(path, rec.directory)) \
                 and where != RamTier().open(path, create=False).root:
-            return None, (f"recorded for {rec.directory or 'another directory'}, not "
-                          f"{path} (moved or copied?); pass --tier {e.name}=PATH to use it")
-        if e.kind == "ram":
-            RamTier(path=where).open(path, create=False)
+            return entry, None, (f"recorded for {rec.directory or 'another directory'}, not "
+                                 f"{path} (moved or copied?); pass --tier {e.name}=PATH to "
+                                 "use it")
+        return entry, _pin(entry, path if inside else SHM), None
     except UnsafeDirectoryError as x:
-        return None, str(x)
-    return TierEntry(e.name, e.kind, where), None
+        return entry, None, str(x)
+    except OSError as x:
+        return entry, None, (f"{where} is {_why_unusable(x)}, so it is not used; pass "
+                             f"--tier {e.name}=PATH to use it")
 
 
-def _recorded(path: str) -> tuple[tierrecord.TiersRecord | None, dict[str, TierEntry],
+def _pin(e: TierEntry, base: str) -> Storage:
+    """The storage of recorded place `e.where` inside `base` (the directory,
+    or /dev/shm for a RAM tier outside it), pinned to the directory reached
+    by walking there from `base` without following a link; a RAM tier's must
+    also be private (`tiers.check_private`, on that same directory)."""
+    rel = os.path.relpath(os.path.realpath(e.where), os.path.realpath(base))
+    fd = files.open_below(base, rel)
+    try:
+        if e.kind == "ram":
+            check_private(e.where, os.fstat(fd))
+        return FileStorage(e.where, e.kind, fsync=False, create=False, root_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _why_unusable(x: OSError) -> str:
+    if x.errno == errno.ENOENT:
+        return "missing (nothing to read there)"
+    if x.errno in (errno.ELOOP, errno.ENOTDIR):
+        return "reached through a link or something that is not a directory (never followed)"
+    return f"not readable ({x.strerror or x})"
+
+
+def _recorded(path: str) -> tuple[tierrecord.TiersRecord | None,
+                                  dict[str, tuple[TierEntry, Storage]],
                                   list[tuple[TierEntry, str]]]:
     """The record of local directory `path` (None when it has none or it is
-    not valid, with a warning), its tiers that may be used, and the others
-    with why not (each warned of)."""
+    not valid, with a warning), its tiers that may be used (each with its
+    storage, pinned where it was checked), and the others with why not (each
+    warned of)."""
     try:
         rec = tierrecord.read(path)
     except (CorruptCheckpointError, OSError) as x:
@@ -128,45 +161,50 @@ def _recorded(path: str) -> tuple[tierrecord.TiersRecord | None, dict[str, TierE
         return None, {}, []
     if rec is None:
         return None, {}, []
-    used: dict[str, TierEntry] = {}
+    used: dict[str, tuple[TierEntry, Storage]] = {}
     ignored: list[tuple[TierEntry, str]] = []
     for e in rec.tiers:
-        ok, why = _checked(e, path, rec)
-        if ok is None:
+        entry, st, why = _checked(e, path, rec)
+        if st is None:
             log.warning("%s/%s: tier %s (%s) ignored: %s", path, tierrecord.RECORD_NAME,
                         e.name, e.where, why)
             ignored.append((e, why or ""))
         else:
-            used[e.name] = ok
+            used[e.name] = (entry, st)
     return rec, used, ignored
 
 
 def open_directory(path: str, overrides: Sequence[str] = ()) -> Directory:
     """The tiers of `path`: those of its tiers record that may be used
-    (`_checked`), else (none recorded, or none usable) the directory itself
-    and its default RAM tier when that exists, then `overrides` (NAME=PATH)
+    (`_checked`, each read through the storage built when it was checked),
+    else (none recorded, or none usable) the directory itself and its
+    default RAM tier when that exists, then `overrides` (NAME=PATH)
     replacing or adding tiers by name. ValueError when the directory is none
     of ours and no tier was given. A gs:// directory has no record (a
     manager writes none there): its defaults are used."""
     remote = path.startswith("gs://")
     home: Storage = _open(TierEntry("local", "gcs" if remote else "local", path))
-    rec, entries, ignored = _recorded(path) if not remote and os.path.isdir(path) \
+    rec, tiers, ignored = _recorded(path) if not remote and os.path.isdir(path) \
         else (None, {}, [])
-    if not entries and (remote or os.path.isdir(path)):
+    if not tiers and (remote or os.path.isdir(path)):
         ram = RamTier().open(path, create=False).root
         if os.path.isdir(ram):
-            entries["ram"] = TierEntry("ram", "ram", ram)
+            tiers["ram"] = _opened(TierEntry("ram", "ram", ram))
         name = "gcs" if remote else "local"
-        entries[name] = TierEntry(name, name, home.url)
+        tiers[name] = (TierEntry(name, name, home.url), home)
     for spec in overrides:
         e = _override(spec)
-        entries[e.name] = e
-    if not entries:
+        tiers[e.name] = _opened(e)
+    if not tiers:
         raise ValueError(f"{path}: no such directory, and no --tier NAME=PATH given")
-    order = sorted(entries.values(), key=lambda e: _RANK.get(e.kind, 1))
-    return Directory(path, tuple((e, _open(e)) for e in order),
+    order = sorted(tiers.values(), key=lambda t: _RANK.get(t[0].kind, 1))
+    return Directory(path, tuple(order),
                      rec.naming if rec else layout.StepNaming(), rec is not None,
-                     tuple((e, why) for e, why in ignored if e.name not in entries))
+                     tuple((e, why) for e, why in ignored if e.name not in tiers))
+
+
+def _opened(e: TierEntry) -> tuple[TierEntry, Storage]:
+    return e, _open(e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,17 +252,12 @@ def writers(st: Storage, d: str, save_id: str | None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _age(st: Storage, d: str, names: list[str]) -> float | None:
-    ages = st.object_ages(d)
-    if ages:
-        return min(ages.values())
-    if isinstance(st, FileStorage):
-        try:
-            return time.time() - max(os.stat(os.path.join(st.root, d, n)).st_mtime
-                                     for n in names or ["."])
-        except OSError:
-            return None
-    return None
+def _age(st: Storage, d: str) -> float | None:
+    try:
+        ages = st.object_ages(d)
+    except OSError:
+        return None
+    return min(ages.values()) if ages else None
 
 
 def _committed(st: Storage, ts: selection.TierStep, step: int, d: str) -> Copy:
@@ -254,7 +287,7 @@ def _uncommitted(st: Storage, tier: str, d: str) -> Copy:
     problem = ("no manifest: being written now (or by a live process)" if live else
                "no manifest: a save that never committed (or a torn delete); "
                "a writable manager's cleanup removes it")
-    return Copy(tier, "uncommitted", None, "0/?", size, _age(st, d, names), problem, who)
+    return Copy(tier, "uncommitted", None, "0/?", size, _age(st, d), problem, who)
 
 
 def survey(dr: Directory) -> list[Step]:

@@ -12,8 +12,11 @@ reads (`_CHECKPOINT_METADATA`, `_METADATA`, a JSON item) goes through the
 guarded file storage read (regular files only, O_NONBLOCK, bounded size) and
 the strict JSON reader (bounded nesting, typed fields); every array key that
 names a directory is one path component (`layout.check_name`); and the arrays' and chunks' sizes
-(Orbax's metadata, read without the data) must fit in this host's memory,
-which holds the whole step during an import. Whatever Orbax still raises on
+(Orbax's metadata, read without the data) must fit a bound before anything
+is allocated: for an import the caller's `max_item_bytes` per item (default
+`default_item_bytes`, a quarter of this host's memory), since a chunk file
+of a few KiB may decode to gigabytes and the data present bounds nothing
+useful; for a step read in place, this host's memory. Whatever Orbax still raises on
 content these checks let through becomes a CorruptCheckpointError naming
 the item. `check_step` is the same checks for an Orbax step that a manager
 reads in place (compat/orbax_steps.py).
@@ -41,8 +44,15 @@ MAX_ENTRIES = 1 << 20  # files and directories under one step
 
 
 def memory_bytes() -> int:
-    """This host's memory: no array of an import can be larger."""
+    """This host's memory: no array read here can be larger."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_item_bytes() -> int:
+    """The most bytes one item of an import may hold unless the caller says
+    otherwise: a quarter of this host's memory (an import holds the step,
+    our save a second copy, the RAM tier a third)."""
+    return memory_bytes() // 4
 
 
 def check_entries(path: str) -> None:
@@ -116,10 +126,12 @@ def check_pytree(item: str) -> None:
                 raise r.fail(f"{where}.key must be a string or an integer, got {short(key)}")
 
 
-def check_sizes(item: str, meta: Any) -> None:
-    """Every array and chunk of Orbax's metadata `meta` of `item` fits in memory."""
+def check_sizes(item: str, meta: Any, limit: int | None = None) -> None:
+    """Every array and chunk of Orbax's metadata `meta` of `item`, and all of
+    its arrays together, hold at most `limit` bytes (an import's
+    `max_item_bytes`; None: this host's memory, for a step read in place)."""
     import jax
-    limit = memory_bytes()
+    bound = memory_bytes() if limit is None else limit
     total = 0
     for path, m in jax.tree_util.tree_flatten_with_path(meta)[0]:
         shape, dtype = getattr(m, "shape", None), getattr(m, "dtype", None)
@@ -128,13 +140,25 @@ def check_sizes(item: str, meta: Any) -> None:
         size = np.dtype(dtype).itemsize
         chunk = getattr(getattr(m, "storage", None), "chunk_shape", None) or shape
         total += math.prod(shape) * size
-        if math.prod(chunk) * size > limit or total > limit:
+        if math.prod(chunk) * size > bound or total > bound:
             raise CorruptCheckpointError(
                 f"{item}: array {jax.tree_util.keystr(path)} of shape {tuple(shape)} "
-                f"(chunks {tuple(chunk)}, {np.dtype(dtype)}) brings the item to "
-                f"{total} bytes, chunks to {math.prod(chunk) * size} bytes, more than this "
-                f"host's {limit} bytes of memory that an import holds the step in; its "
-                "metadata is damaged or hostile (or import it on a larger host)")
+                f"(chunks {tuple(chunk)}, {np.dtype(dtype)}) claims "
+                f"{math.prod(shape) * size} bytes, bringing the item to {total} bytes, "
+                f"chunks to {math.prod(chunk) * size} bytes, more than {_bound(bound, limit)}"
+                "; nothing was read")
+
+
+def _bound(bound: int, limit: int | None) -> str:
+    """The bound `check_sizes` applied, and what to do about it, in words."""
+    if limit is None:
+        return (f"this host's {bound} bytes of memory: its metadata is damaged or "
+                "hostile (or read it on a larger host)")
+    return (f"the {bound} bytes an import allows one item (max_item_bytes; by default "
+            "a quarter of this host's memory): if the step is genuine and this host "
+            "holds it, import it with a larger bound (resilient-ckpt import "
+            "--max-item-bytes N, interop.import_step(max_item_bytes=N)); else its "
+            "metadata is damaged or hostile")
 
 
 @contextlib.contextmanager
@@ -150,20 +174,22 @@ def _orbax_errors(item: str):
                                      "damaged: it was not read") from e
 
 
-def check_item(item: str) -> None:
+def check_item(item: str, limit: int | None = None) -> None:
     """A pytree item's (or a StandardCheckpointer directory's) metadata: its
-    keys (`check_pytree`), then its arrays' sizes from Orbax's metadata."""
+    keys (`check_pytree`), then its arrays' sizes from Orbax's metadata,
+    against `limit` bytes (`check_sizes`)."""
     import orbax.checkpoint as ocp
     check_pytree(item)
     with _orbax_errors(item), ocp.StandardCheckpointer() as c:
-        check_sizes(item, c.metadata(item).item_metadata)
+        check_sizes(item, c.metadata(item).item_metadata, limit)
 
 
-def read_pytree(item: str) -> Any:
+def read_pytree(item: str, limit: int | None = None) -> Any:
     """A pytree item (or a StandardCheckpointer directory) restored by Orbax
-    after `check_item`; Orbax's own failures name the item."""
+    after `check_item` (arrays of at most `limit` bytes together); Orbax's
+    own failures name the item."""
     import orbax.checkpoint as ocp
-    check_item(item)
+    check_item(item, limit)
     with _orbax_errors(item), ocp.StandardCheckpointer() as c:
         return c.restore(item)
 

@@ -9,11 +9,14 @@ tiers and process 0 the tiers every process sees. Read-only managers never
 save, so never lock. GCS cannot be flocked: there the step claim (claim.py)
 and the create-only manifests keep a second writer from splitting a step.
 The lock file stays in place when released: unlinking it would let two
-writers lock two different files of one name. It is opened with O_NOFOLLOW
-and O_NONBLOCK and must be a regular file: anything else at its name (a
-link, a FIFO, a directory, a socket) could stand for a lock nobody shares,
-or hang the open, so the save is refused (`DirectoryInUseError` naming it)
-and nothing is created, truncated or written through a link.
+writers lock two different files of one name. It is opened through the
+tier's storage, relative to its root's descriptor (`FileStorage.open_in_root`:
+for a pinned root, the directory that was checked, whatever has taken its
+name since), with O_NOFOLLOW and O_NONBLOCK, and must be a regular file:
+anything else at its name (a link, a FIFO, a directory, a socket) could
+stand for a lock nobody shares, or hang the open, so the save is refused
+(`DirectoryInUseError` naming it) and nothing is created, truncated or
+written through a link.
 """
 from __future__ import annotations
 
@@ -50,9 +53,9 @@ class WriterLock:
         fds: list[int] = []
         try:
             for name, st in tiers:
-                root = _root(st)
-                if root is not None and not (st.shared and process_index != 0):
-                    fd = self._lock(name, root)
+                files = _files(st)
+                if files is not None and not (st.shared and process_index != 0):
+                    fd = self._lock(name, files)
                     if fd is not None:
                         fds.append(fd)
         except BaseException:
@@ -72,10 +75,10 @@ class WriterLock:
             return e
         return None
 
-    def _lock(self, tier: str, root: str) -> int | None:
-        path = os.path.join(root, layout.WRITER_LOCK)
+    def _lock(self, tier: str, files: FileStorage) -> int | None:
+        root, path = files.root, os.path.join(files.root, layout.WRITER_LOCK)
         try:
-            fd = _open(path, os.O_RDWR | os.O_CREAT, f"{self._directory}: the {tier} tier")
+            fd = _open(files, os.O_RDWR | os.O_CREAT, f"{self._directory}: the {tier} tier")
         except OSError as e:
             log.warning("cannot lock the %s tier (%s) against a second writer: %s", tier,
                         path, e)
@@ -112,11 +115,11 @@ def holder(storage: Storage) -> str | None:
     nobody live does (or the tier is not a file tier). Probes with a shared,
     non-blocking flock, so it never takes the lock from a writer.
     DirectoryInUseError when the lock's name holds no regular file."""
-    root = _root(storage)
-    if root is None:
+    files = _files(storage)
+    if files is None:
         return None
     try:
-        fd = _open(os.path.join(root, layout.WRITER_LOCK), os.O_RDONLY, storage.url)
+        fd = _open(files, os.O_RDONLY, storage.url)
     except FileNotFoundError:
         return None
     try:
@@ -134,12 +137,14 @@ _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
 
 
-def _open(path: str, flags: int, whose: str) -> int:
-    """The lock file at `path`, opened with `flags` without following a link
-    or blocking on a FIFO; DirectoryInUseError when something other than a
-    regular file is there (`whose`: the tier, for the message)."""
+def _open(files: FileStorage, flags: int, whose: str) -> int:
+    """The lock file in the root of `files`, opened with `flags` without
+    following a link or blocking on a FIFO; DirectoryInUseError when
+    something other than a regular file is there (`whose`: the tier, for the
+    message)."""
+    path = os.path.join(files.root, layout.WRITER_LOCK)
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = files.open_in_root(layout.WRITER_LOCK, flags)
     except OSError as e:
         # ELOOP: a link (O_NOFOLLOW); EISDIR: a directory; ENXIO: a socket
         if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
@@ -172,8 +177,8 @@ def _holder(text: str) -> str:
     return text
 
 
-def _root(storage: Storage) -> str | None:
-    """The root directory of a file tier (through wrappers); None for others."""
+def _files(storage: Storage) -> FileStorage | None:
+    """The file storage of a file tier (through wrappers); None for others."""
     while isinstance(storage, StorageWrapper):
         storage = storage.inner
-    return storage.root if isinstance(storage, FileStorage) else None
+    return storage if isinstance(storage, FileStorage) else None

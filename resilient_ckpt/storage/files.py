@@ -33,6 +33,11 @@ shared /dev/shm, or left by a stray `ln -s`) can neither make the tier read,
 write or delete outside its root nor hang it: `list` and `size` see it as
 absent, and every other access raises StorageError naming it. The root itself
 may be a link the user chose: it is resolved once, when the storage opens.
+Or it is pinned (`root_fd`): a descriptor of it that the caller opened and
+checked (the tool's recorded tiers, cli/survey.py); then every walk starts
+from that descriptor and the root's path is never resolved again, so what
+was checked is what is used, even if a link takes the root's name meanwhile.
+The writer lock's file is opened the same way (`open_in_root`).
 Within `holding(step)` (a restore) objects of that step are opened relative
 to its directory, walked to once at the start of the block.
 """
@@ -44,6 +49,8 @@ import mmap
 import os
 import stat
 import threading
+import time
+import weakref
 
 import numpy as np
 
@@ -70,6 +77,7 @@ class _Walker:
     root: str   # as the user gave it: for messages and identity
     kind: str
     _real: str  # the root with the user's links resolved
+    _pin: int | None  # a descriptor of the root, checked by the caller: walks start there
     # Directories kept open by `holding`, by their parts (several holders each).
     _held: dict[tuple[str, ...], list[int]]
     _hold_lock: threading.Lock
@@ -88,7 +96,9 @@ class _Walker:
         for i in range(1, len(parts) + 1):
             sub = "/".join(parts[:i])
             try:
-                mode = os.lstat(os.path.join(self._real, sub)).st_mode
+                mode = (os.stat(sub, dir_fd=self._pin, follow_symlinks=False)
+                        if self._pin is not None
+                        else os.lstat(os.path.join(self._real, sub))).st_mode
             except OSError:
                 return ""
             if stat.S_ISLNK(mode):
@@ -124,6 +134,8 @@ class _Walker:
         return parts[:-1], parts[-1]
 
     def _root_fd(self, create: bool) -> int:
+        if self._pin is not None:  # never made again: a pinned root is the caller's
+            return os.open(".", _DIR, dir_fd=self._pin)
         try:
             return os.open(self._real, _DIR)
         except FileNotFoundError:
@@ -140,6 +152,8 @@ class _Walker:
             # The root or a step directory: the one component below the resolved
             # root is the last, which O_NOFOLLOW checks, so one open will do.
             try:
+                if self._pin is not None:
+                    return os.open(parts[0] if parts else ".", _DIR, dir_fd=self._pin)
                 return os.open(os.path.join(self._real, *parts), _DIR)
             except FileNotFoundError:
                 if not create:
@@ -232,7 +246,7 @@ class FileStorage(_Walker, Storage):
 
     def __init__(self, root: str, kind: str = "local", *, fsync: bool = True,
                  create: bool = True, zero_copy: bool = False, direct: bool = False,
-                 maps_cached: bool = False):
+                 maps_cached: bool = False, root_fd: int | None = None):
         self.root = os.path.abspath(root)  # as given: for messages and identity
         self.kind = kind
         self.zero_copy = zero_copy  # only on tmpfs: see map()
@@ -241,7 +255,11 @@ class FileStorage(_Walker, Storage):
         self.url = self.root
         self._fsync = fsync
         self._writer = Writer.me()
-        if create:
+        self._pin = None
+        if root_fd is not None:  # the caller's checked root: kept open, walked from
+            self._pin = os.dup(root_fd)
+            self._unpin = weakref.finalize(self, os.close, self._pin)
+        elif create:
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
         self._held, self._hold_lock = {}, threading.Lock()
@@ -254,6 +272,20 @@ class FileStorage(_Walker, Storage):
         # chunk faulted in new memory for every chunk: kept, writes run as
         # from an aligned slab); dropped at its end.
         self._stages = hostmem.BufferPool(8 * odirect.STAGE_BYTES)
+
+    def close(self) -> None:
+        if self._pin is not None:
+            self._unpin()
+            self._pin = -1  # closed: every walk fails (EBADF), never falls back to the path
+
+    def open_in_root(self, name: str, flags: int) -> int:
+        """A descriptor of entry `name` of the root itself (the writer lock's
+        file), opened with `flags` relative to the root's descriptor, never
+        through a link (O_NOFOLLOW), never blocking (O_NONBLOCK); made with
+        mode 0644 when `flags` hold O_CREAT. OSError as `os.open` raises it."""
+        with self._dir([]) as d:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                           0o644, dir_fd=d)
 
     def _sync_fd(self, fd: int) -> None:
         if self._fsync:
@@ -509,6 +541,19 @@ class FileStorage(_Walker, Storage):
             raise self._err("listing of", prefix, e) from e
         return [n for n in names if n.startswith(starts_with)]
 
+    def object_ages(self, prefix: str) -> dict[str, float]:
+        now, ages = time.time(), {}
+        try:
+            with self._dir(self._parts(prefix)) as d:
+                for n in os.listdir(d):
+                    with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                        ages[n] = now - os.stat(n, dir_fd=d, follow_symlinks=False).st_mtime
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return {}
+            raise self._err("listing of", prefix, e) from e
+        return ages
+
     # ------------------------------------------------------------ deletes and hooks
 
     def delete(self, key: str) -> None:
@@ -590,6 +635,29 @@ class FileStorage(_Walker, Storage):
             return
         except OSError as e:
             raise self._err("end of the save in", prefix, e) from e
+
+
+def open_below(base: str, rel: str) -> int:
+    """A descriptor of directory `rel` (relative, normalised; "." for `base`
+    itself) under directory `base`, walked from `base` (the caller's own
+    path: its links are followed) one component at a time without following
+    any link: whatever `rel` names, it is reached inside `base`, and the
+    descriptor is the directory a pinned storage then uses (`root_fd`).
+    OSError: missing (ENOENT), or a link or a non-directory in the way
+    (ELOOP, ENOTDIR)."""
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise OSError(errno.EINVAL, f"{rel!r} leaves {base}")
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for p in parts:
+            sub = _subdir(fd, p, create=False)
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _subdir(fd: int, name: str, create: bool) -> int:

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier
 from resilient_ckpt.cli import interop
-from resilient_ckpt.core import layout
+from resilient_ckpt.compat import foreign
+from resilient_ckpt.core import codec, layout
 from resilient_ckpt.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 from resilient_ckpt.native import crc32c
 from tests.support import effort
@@ -219,6 +220,91 @@ def test_a_shape_no_memory_holds_is_refused_before_reading(tmp_path):
     # in a subprocess: before the fix this aborted the process (std::bad_alloc)
     p = run("import", step, tmp_path / "ours", code=1, installed=True)
     assert "bytes" in p.stderr and "default" in p.stderr and "Traceback" not in p.stderr
+
+
+def _bomb(step, rows, name="a", chunks=None):
+    """Array `name` of `step` made to claim `rows` x 3 float32 in one chunk,
+    that chunk a zstd frame of that many bytes of ones: a file of a few KiB
+    that decodes to rows * 12 bytes (Orbax reads whatever it decodes to)."""
+    arr = step / "default" / name
+    zarray = json.loads((arr / ".zarray").read_text())
+    zarray["shape"], zarray["chunks"], zarray["dtype"] = [rows, 3], chunks or [rows, 3], "<f4"
+    (arr / ".zarray").write_text(json.dumps(zarray))
+    for f in arr.iterdir():
+        if f.name != ".zarray":
+            f.unlink()
+    (arr / ".".join("0" * len(zarray["shape"]))).write_bytes(
+        codec.compress(np.ones((rows, 3), np.float32)))
+    return rows * 12
+
+
+MIB = 1 << 20
+
+
+def test_an_array_past_max_item_bytes_is_refused_before_reading(tmp_path):
+    """A 2 KiB file that decodes to 24 MiB: the import reads it only when the
+    caller allows an item that large (before, there was no such bound)."""
+    step = orbax_step(tmp_path / "theirs")
+    claimed = _bomb(step, 2 * MIB)
+    assert (step / "default" / "a" / "0.0").stat().st_size < 8192
+    with pytest.raises(CorruptCheckpointError) as e:
+        interop.import_step(step, tmp_path / "ours", max_item_bytes=16 * MIB)
+    msg = str(e.value)
+    assert "'a'" in msg and str(claimed) in msg and str(16 * MIB) in msg, msg
+    assert "--max-item-bytes" in msg and "max_item_bytes" in msg, msg
+    assert not (tmp_path / "ours").exists()  # nothing written at the destination
+    moved = interop.import_step(step, tmp_path / "ours", max_item_bytes=32 * MIB)
+    assert moved.bytes == claimed + tree()["b"]["c"].nbytes  # genuine once allowed
+    with CheckpointManager(tmp_path / "ours") as m:
+        assert float(np.asarray(m.restore(1)["a"]).sum()) == 2 * MIB * 3
+
+
+def test_the_default_bound_is_a_quarter_of_memory(tmp_path, monkeypatch):
+    """On a host of 64 MiB (mocked: no test can shrink this host), an item of
+    24 MiB, less than its memory, is refused by default (before, imported:
+    an import holds the step, our save a second copy and the RAM tier a
+    third, so an item near the memory ended the process)."""
+    monkeypatch.setattr(foreign, "memory_bytes", lambda: 64 * MIB)
+    step = orbax_step(tmp_path / "theirs")
+    claimed = _bomb(step, 2 * MIB)
+    with pytest.raises(CorruptCheckpointError, match=f"{claimed}.*{16 * MIB}"):
+        interop.import_step(step, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
+    assert foreign.default_item_bytes() == 16 * MIB
+
+
+def test_an_item_whose_arrays_together_pass_the_bound_is_refused(tmp_path):
+    step = orbax_step(tmp_path / "theirs")
+    _bomb(step, MIB // 2, "a")  # 6 MiB each, 12 MiB together
+    _bomb(step, MIB // 2, "b.c")
+    with pytest.raises(CorruptCheckpointError, match=r"item .* to \d+ bytes") as e:
+        interop.import_step(step, tmp_path / "ours", max_item_bytes=8 * MIB)
+    assert str(8 * MIB) in str(e.value) and str(step / "default") in str(e.value)
+    assert not (tmp_path / "ours").exists()
+
+
+def test_a_chunk_past_the_bound_is_refused_even_in_a_small_array(tmp_path):
+    step = orbax_step(tmp_path / "theirs")
+    _rewrite(step / "default" / "a" / ".zarray", lambda doc: {**doc, "chunks": [2 * MIB, 3]})
+    with pytest.raises(CorruptCheckpointError, match=f"chunks .*{24 * MIB} bytes"):
+        interop.import_step(step, tmp_path / "ours", max_item_bytes=MIB)
+    assert not (tmp_path / "ours").exists()
+
+
+def test_the_tool_takes_max_item_bytes(tmp_path):
+    step = orbax_step(tmp_path / "theirs")
+    claimed = _bomb(step, 2 * MIB)
+    p = run("import", step, tmp_path / "ours", "--max-item-bytes", "16M", code=1)
+    assert str(claimed) in p.stderr and "--max-item-bytes" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "ours").exists()
+    for bad in ("0", "-5", "lots", "1.5G", "16Q"):
+        p = run("import", step, tmp_path / "ours", "--max-item-bytes", bad, code=2)
+        assert "--max-item-bytes" in p.stderr, p.stderr
+    for bad in (0, -1, 1.5, True, "16M"):
+        with pytest.raises(ValueError, match="max_item_bytes"):
+            interop.import_step(step, tmp_path / "ours", max_item_bytes=bad)
+    run("import", step, tmp_path / "ours", "--max-item-bytes", "32M")
+    assert os.listdir(tmp_path / "ours" / "1")
 
 
 def _unblock(fifo):

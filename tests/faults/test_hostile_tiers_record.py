@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, given, settings, strategies as hst
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
 from resilient_ckpt.core import layout
 from resilient_ckpt.errors import CheckpointError
-from resilient_ckpt.save import tierrecord
+from resilient_ckpt.save import tierrecord, writer_lock
 from resilient_ckpt.save.tierrecord import RECORD_NAME
+from resilient_ckpt.storage import FileStorage
 from tests.support.cli import js, run
 
 
@@ -43,14 +44,14 @@ def ckpt(tmp_path) -> pathlib.Path:
     return d
 
 
-def leftover(root: pathlib.Path) -> pathlib.Path:
-    """An uncommitted step 7 of a dead save in `root`: what gc removes."""
+def leftover(root: pathlib.Path, step: int = 7) -> pathlib.Path:
+    """An uncommitted step (7) of a dead save in `root`: what gc removes."""
     me = layout.Writer.me()
-    (root / "7").mkdir(parents=True)
-    (root / "7" / "0123abcd.c0.0.0_0").write_bytes(b"y" * 64)
-    (root / "7" / layout.claim_name(0, 1)).write_text(json.dumps(
+    (root / str(step)).mkdir(parents=True)
+    (root / str(step) / "0123abcd.c0.0.0_0").write_bytes(b"y" * 64)
+    (root / str(step) / layout.claim_name(0, 1)).write_text(json.dumps(
         {"save_id": "0" * 32, "host": me.host, "pid": me.pid, "start": me.start + 1}))
-    return root / "7" / "0123abcd.c0.0.0_0"
+    return root / str(step) / "0123abcd.c0.0.0_0"
 
 
 def write_record(d: pathlib.Path, tiers: object, **top: object) -> None:
@@ -306,3 +307,91 @@ def test_a_record_that_is_no_small_regular_file_is_ignored(ckpt, what):
     p = run("ls", ckpt, "--json")
     assert json.loads(p.stdout)["steps"][0]["step"] == 1
     assert RECORD_NAME in p.stderr and "ignored" in p.stderr, p.stderr
+
+
+def tree_of(root: pathlib.Path) -> list:
+    """Every entry under `root`: name, kind and size (what a delete or a
+    create there would change)."""
+    return sorted((str(p.relative_to(root)), p.is_symlink(), p.is_dir(), p.lstat().st_size)
+                  for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", ["local", "ram"])
+@pytest.mark.parametrize("when", ["storage", "lock", "cleanup"])
+def test_a_place_swapped_for_a_link_after_its_check_leads_nowhere(
+        ckpt, tmp_path, ram_path, monkeypatch, kind, when):
+    """The tool checks each recorded place, then uses it. Here, after the
+    check, the checked directory is moved aside and a link to another
+    directory takes its name, as anyone who can write there could do at any
+    moment. The moment is set by wrapping a point of the code the tool passes
+    (a hook for timing only; everything else is real): `storage`, as the
+    tool builds the storage for the checked place; `lock`, as `gc --apply`
+    takes the writer lock after its dry run; `cleanup`, as it judges the
+    first entry it may remove, after listing the steps. The other directory
+    holds a dead save's leftovers of the same names as the checked one's:
+    nothing of it is read as the tier's, removed or created."""
+    place = ckpt / "sub" if kind == "local" else pathlib.Path(ram_path) / "ram"
+    place.mkdir(mode=0o700)
+    leftover(place)
+    victim = tmp_path / "victim"
+    leftover(victim)
+    leftover(victim, 9)  # a step only the other directory holds
+    before = tree_of(victim)
+    where = "sub" if kind == "local" else str(place)
+    write_record(ckpt, [{"name": "extra", "kind": kind, "where": where},
+                        {"name": "local", "kind": "local", "where": "."}])
+    swapped: list = []
+
+    def swap() -> None:
+        if not swapped:
+            os.rename(place, place.with_name("moved"))  # still where it was checked
+            os.symlink(victim, place)
+            swapped.append(True)
+
+    armed = {"storage": True, "lock": False, "cleanup": False}[when]
+    init, hold, alive = FileStorage.__init__, writer_lock.WriterLock.hold, layout.Writer.alive
+
+    def at_init(self, root, *a, **kw):
+        if when == "storage" and os.path.abspath(root) == str(place):
+            swap()
+        init(self, root, *a, **kw)
+
+    def at_hold(self, *a, **kw):
+        if when == "lock":
+            swap()
+        nonlocal armed
+        armed = when == "cleanup"
+        return hold(self, *a, **kw)
+
+    def at_alive(self):
+        if when == "cleanup" and armed:
+            swap()
+        return alive(self)
+
+    monkeypatch.setattr(FileStorage, "__init__", at_init)
+    monkeypatch.setattr(writer_lock.WriterLock, "hold", at_hold)
+    monkeypatch.setattr(layout.Writer, "alive", at_alive)
+    out = js("ls", ckpt) if when == "storage" else None
+    swapped.clear()
+    if os.path.islink(place):  # the place as it was for the next command
+        os.unlink(place)
+        os.rename(place.with_name("moved"), place)
+    armed = when == "storage"
+    run("gc", ckpt, "--apply")
+    assert swapped, "the place was never swapped: the hook missed the tool's use of it"
+    assert tree_of(victim) == before  # nothing removed, nothing created there
+    moved = place.with_name("moved")  # the directory that was checked: cleaned, through its pin
+    assert moved.is_dir() and not (moved / "7" / "0123abcd.c0.0.0_0").exists()
+    if out is not None:
+        steps = {s["step"]: [c["tier"] for c in s["copies"]] for s in out["steps"]}
+        assert 9 not in steps, out  # the other directory's step was never read as the tier's
+
+
+def test_a_recorded_place_that_is_missing_is_left_out(ckpt):
+    """Nothing to pin there: a directory made at its name later (a link,
+    say) is never used by a command that started before it."""
+    write_record(ckpt, [{"name": "extra", "kind": "local", "where": "gone"},
+                        {"name": "local", "kind": "local", "where": "."}])
+    out = js("ls", ckpt)
+    assert [t["name"] for t in out["tiers"]] == ["local"]
+    assert [(t["name"], "missing" in t["why"]) for t in out["ignored"]] == [("extra", True)]

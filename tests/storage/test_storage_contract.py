@@ -1,7 +1,8 @@
 """Every backend, and the forwarding wrapper, against the one storage contract
 (resilient_ckpt/testing/storage_contract.py): the RAM tier's FileStorage on
-tmpfs, the local-disk FileStorage, GcsStorage on fake-gcs-server, and a
-StorageWrapper; then what the wrapper must forward that a __getattr__ missed."""
+tmpfs, the local-disk FileStorage (also pinned to a descriptor of its root),
+GcsStorage on fake-gcs-server, and a StorageWrapper; then what the wrapper
+must forward that a __getattr__ missed."""
 import io
 import os
 import threading
@@ -12,7 +13,7 @@ from tqdm import tqdm
 
 from resilient_ckpt import RetryPolicy
 from resilient_ckpt.restore import progress
-from resilient_ckpt.storage import FileStorage, Storage, StorageWrapper
+from resilient_ckpt.storage import FileStorage, Storage, StorageWrapper, files
 from resilient_ckpt.storage.gcs import GcsStorage
 from resilient_ckpt.testing.storage_contract import StorageContract
 
@@ -45,6 +46,19 @@ class TestLocalFileStorageMappingCached(StorageContract):
 
     def make_storage(self, tmp_path):
         return FileStorage(str(tmp_path / "tier"), "local", direct=True, maps_cached=True)
+
+
+class TestPinnedFileStorage(StorageContract):
+    """A FileStorage pinned to a descriptor of its root (as the tool opens a
+    recorded tier it checked): the same contract, walked from the descriptor."""
+
+    def make_storage(self, tmp_path):
+        (tmp_path / "tier").mkdir()
+        fd = files.open_below(str(tmp_path), "tier")
+        try:
+            return FileStorage(str(tmp_path / "tier"), "local", root_fd=fd)
+        finally:
+            os.close(fd)
 
 
 class TestGcsStorage(StorageContract):
