@@ -76,8 +76,10 @@ class CheckpointManager:
         self._saver = Saver(plan, storages, self.catalog, o.io_threads,
                             o.host_memory_budget, o.over_budget)
         self._coord = Coordinator(self.catalog, self._saver, str(self._directory))
-        # Taken by the first save, dropped at close or when this is collected.
-        self._writer_lock = WriterLock(str(self._directory))
+        # Taken by the first save, dropped at close or when this is collected;
+        # a newer manager of this directory in this process takes it over
+        # (after this one's saves in flight finish: writer_lock.py).
+        self._writer_lock = WriterLock(str(self._directory), drain=self._saver.wait_all)
         weakref.finalize(self, self._writer_lock.release)
         self.save_records: collections.deque = collections.deque(maxlen=256)
         self.restore_records: collections.deque = collections.deque(maxlen=64)
@@ -207,8 +209,18 @@ class CheckpointManager:
             raise StepAlreadyExistsError(
                 f"step {step} already exists in {self._directory}; delete it first "
                 "or save another step")
-        in_use = self._writer_lock.try_hold([(t.name, t.storage) for t in self._saver.tiers],
-                                            self.catalog.peers.index)
+        lock = self._writer_lock
+        in_use = lock.try_hold([(t.name, t.storage) for t in self._saver.tiers],
+                               self.catalog.peers.index)
+        if lock.superseded and in_use is not None:
+            raise in_use  # every process of a job made the newer manager alike
+        if lock.took_over:  # the older manager's last saves committed since we read
+            lock.took_over = False
+            self.catalog.reload()
+            if step in self.all_steps():
+                raise StepAlreadyExistsError(
+                    f"step {step} already exists in {self._directory} (the older "
+                    "manager of this directory saved it); delete it first or save another step")
         save_id = self._coord.start_save(step, in_use)
         self.save_records.append(
             self._saver.start(step, tiers, item_list, metrics, custom_metadata, save_id))

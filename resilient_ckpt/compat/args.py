@@ -39,6 +39,19 @@ _INSTEAD = {
 }
 
 
+# Orbax's own first words for the same mistakes: ours follow them, so code and
+# tests that match Orbax's message match ours too.
+ORBAX_NEEDS_COMPOSITE = ("Must provide `args` of type `Composite` when dealing with "
+                         "multiple checkpointable objects.")
+ORBAX_NO_COMPOSITE = ("Cannot provide `args` of type `Composite` when dealing with a "
+                      "single, unnamed (default) checkpointable object.")
+ORBAX_ITEMS_ARE_ARGS = "Found an instance of `CheckpointArgs` provided for `items`."
+
+
+def orbax_unregistered(name: str, a: Any) -> str:
+    return f'Item "{name}" and args "{_name(a)}" does not match with any registered handler!'
+
+
 @dataclasses.dataclass(frozen=True)
 class RestoreRequest:
     kind: str  # "pytree" or "json"
@@ -96,6 +109,7 @@ class ItemMode:
     def save_args(self, args: Any, items: Any) -> Any:
         """A save's args (legacy `items=` as StandardSave), after setting the
         mode from them if unset and checking them against it."""
+        _items_not_args(items, "save")
         if self.lock and (args is not None or items is not None):
             if self.composite is None:
                 self.composite = args is not None and _is_composite(args)
@@ -107,6 +121,7 @@ class ItemMode:
         """A restore's args (legacy `items=` as StandardRestore; None for
         every item as saved), after setting the mode if unset from the step
         read (`step_is_composite`, None when there is none) and checking them."""
+        _items_not_args(items, "restore")
         if self.lock:
             if self.composite is None:
                 self.composite = step_is_composite()
@@ -118,15 +133,25 @@ class ItemMode:
             return
         if self.composite:
             raise ValueError(
-                f"{what} got {_name(args)}, but this manager works with Composite args "
+                f"{ORBAX_NEEDS_COMPOSITE} {what} got {_name(args)}, but this manager "
+                "works with Composite args "
                 "(set by item_names, or by its first save or restore): pass "
                 "ocp.args.Composite(<item name>=...), or create the manager with "
                 "CheckpointManagerOptions(lock_item_mode=False) to mix both kinds")
         raise ValueError(
-            f"{what} got Composite args, but this manager works with single-item args "
+            f"{ORBAX_NO_COMPOSITE} {what} got Composite args, but this manager works "
+            "with single-item args "
             "(set by its first save or restore): pass one args object such as "
             "ocp.args.StandardSave(state), or create the manager with "
             "CheckpointManagerOptions(lock_item_mode=False) to mix both kinds")
+
+
+def _items_not_args(items: Any, what: str) -> None:
+    """Args passed where the legacy `items` go (positionally, without args=)."""
+    if any(c.__name__ == "CheckpointArgs" for c in type(items).__mro__):
+        raise ValueError(f"{ORBAX_ITEMS_ARE_ARGS} {what}() got {_name(items)} as `items` "
+                         f"(its second positional argument): pass it by keyword, "
+                         f"{what}(step, args=...)")
 
 
 def legacy_args(args: Any, items: Any, kind: str) -> Any:
@@ -141,7 +166,8 @@ def legacy_args(args: Any, items: Any, kind: str) -> Any:
 
 def _require_composite(args: Any, declared: frozenset[str] | None, what: str) -> None:
     if declared is not None and args is not None and not _is_composite(args):
-        raise ValueError(f"{what} got {_name(args)}, but this manager was created with "
+        raise ValueError(f"{ORBAX_NEEDS_COMPOSITE} {what} got {_name(args)}, but this "
+                         "manager was created with "
                          f"item_names={sorted(declared)}: pass ocp.args.Composite("
                          "<item name>=...) naming the items")
 
@@ -158,7 +184,8 @@ def save_items(args: Any, declared: frozenset[str] | None = None
             if a is None:
                 continue
             if declared is not None and name not in declared:
-                raise ValueError(f"save: item {name!r} ({_name(a)}) is not one of the "
+                raise ValueError(f"{orbax_unregistered(name, a)} save: item {name!r} "
+                                 f"({_name(a)}) is not one of the "
                                  f"item_names this manager was created with "
                                  f"({sorted(declared)}); add it to item_names")
             out.append(_save_item(name, a))

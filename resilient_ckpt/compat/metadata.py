@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from orbax.checkpoint.metadata import RootMetadata as _OrbaxRootMetadata
 
 from ..core.manifest import ItemRecord, Manifest, decode_scalar
 from ..core.pytree import build_nested, flatten
@@ -31,13 +32,19 @@ class StepMetadata:
     time: float
 
 
-@dataclasses.dataclass(frozen=True)
-class RootMetadata:
-    """What `metadata()` without a step returns, field for field as Orbax's
-    (its `internal_metadata` is Orbax's own and holds nothing of ours)."""
+class RootMetadata(_OrbaxRootMetadata):
+    """What `metadata()` without a step returns: Orbax's RootMetadata (an
+    `isinstance` check passes), equal to Orbax's with the same fields whichever
+    side is asked (its `internal_metadata` is Orbax's own and holds nothing
+    of ours)."""
 
-    custom_metadata: Any = dataclasses.field(default_factory=dict)
-    internal_metadata: Any = dataclasses.field(default_factory=dict)
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _OrbaxRootMetadata):
+            return NotImplemented
+        return (self.custom_metadata, self.internal_metadata) == (
+            other.custom_metadata, other.internal_metadata)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as Orbax's
 
 
 def step_metadata(m: Manifest) -> StepMetadata:

@@ -2,15 +2,18 @@
 
 It lives where Orbax keeps it, `<directory>/metadata/_ROOT_METADATA` (JSON with
 `internal_metadata` and `custom_metadata`), so either manager reads what the
-other wrote. As in Orbax: written once, create-only, by process 0 of a manager
-that may write; a later manager given other metadata keeps the stored one; a
-read-only manager never writes and, when none is stored, reports what it was
-given. A gs:// directory is written through the tier whose storage is the
-directory; with no such tier, nothing is written there (a warning says so).
+other wrote; where only older Orbax's `<directory>/metadata/metadata` (the
+custom metadata alone) is there, that is read. As in Orbax: written once,
+create-only, by process 0 of a manager that may write; a later manager
+given other metadata keeps the stored one; a read-only manager never writes
+and, when none is stored, reports what it was given. A gs:// directory is
+written through the tier whose storage is the directory; with no such tier,
+nothing is written there (a warning says so).
 docs/format.md, section 14, specifies the file.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -25,6 +28,8 @@ from .metadata import RootMetadata, jsonable
 log = logging.getLogger("resilient_ckpt")
 
 KEY = "metadata/_ROOT_METADATA"
+# Older Orbax kept only the custom metadata, as a JSON item of its own.
+LEGACY_KEY = "metadata/metadata"
 _MAX_BYTES = 16 << 20
 
 
@@ -63,6 +68,18 @@ def decode(data: bytes, where: str) -> RootMetadata:
     return RootMetadata(custom_metadata=custom, internal_metadata=internal)
 
 
+def decode_legacy(data: bytes, where: str) -> RootMetadata:
+    """Older Orbax's root metadata: the custom metadata alone, a JSON object."""
+    try:
+        doc = strictjson.Reader(where).load(data)
+        if not isinstance(doc, dict):
+            raise ValueError(f"an object is expected, got {strictjson.short(doc)}")
+    except (ValueError, CorruptCheckpointError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: not valid root metadata ({e}); fix or remove the file") from None
+    return RootMetadata(custom_metadata=doc)
+
+
 def for_manager(directory: str, storages: Mapping[str, Storage], given: Any, options: Any,
                 read_only: bool, process_index: int) -> RootMetadataFile:
     """The root metadata as a manager reads its `metadata=`: with Orbax's
@@ -97,6 +114,9 @@ class RootMetadataFile:
             st = _storage(self._directory, self._storages, create=False)
             if st is not None and st.size(KEY) is not None:
                 self._cached = decode(st.read(KEY, max_bytes=_MAX_BYTES), f"{st.url}/{KEY}")
+            elif st is not None and st.size(LEGACY_KEY) is not None:
+                self._cached = decode_legacy(st.read(LEGACY_KEY, max_bytes=_MAX_BYTES),
+                                             f"{st.url}/{LEGACY_KEY}")
             else:
                 self._cached = RootMetadata(custom_metadata=dict(self._given or {}))
-        return self._cached
+        return copy.deepcopy(self._cached)  # Orbax's type is mutable: each caller its own

@@ -103,11 +103,14 @@ def match_target(saved_paths: list[tuple[PathEntry, ...]],
     missing from it, and one the step lacks is no error. Raises
     TargetMismatchError naming the leaves that do not correspond.
     """
+    # Orbax's own first words for a structure mismatch, so that code matching
+    # its message matches ours.
+    orbax = "User-provided restore item and on-disk value metadata tree structures do not match:"
     index = {p: i for i, p in enumerate(saved_paths)}
     missing = [path_str(p) for p in target_paths if p not in index]
     if missing:
         raise TargetMismatchError(
-            f"{where}: the restore target has leaves the checkpoint lacks: "
+            f"{orbax} {where}: the restore target has leaves the checkpoint lacks: "
             f"{_some(missing)}; check the target's "
             "tree structure against item_metadata(step)")
     if not partial:
@@ -115,7 +118,7 @@ def match_target(saved_paths: list[tuple[PathEntry, ...]],
         extra = [path_str(p) for p in saved_paths if p not in tset]
         if extra:
             raise TargetMismatchError(
-                f"{where}: the checkpoint has leaves the restore target lacks: "
+                f"{orbax} {where}: the checkpoint has leaves the restore target lacks: "
                 f"{_some(extra)}; pass the full tree, "
                 "or PyTreeRestore(..., partial_restore=True) to restore a subset")
     return [index[p] for p in target_paths]

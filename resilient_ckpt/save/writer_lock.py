@@ -17,6 +17,15 @@ anything else at its name (a link, a FIFO, a directory, a socket) could
 stand for a lock nobody shares, or hang the open, so the save is refused
 (`DirectoryInUseError` naming it) and nothing is created, truncated or
 written through a link.
+
+Within one process, managers of one directory do not exclude each other, as
+in Orbax (a notebook cell that makes a manager runs again; code reopens a
+manager to reload): a manager's lock whose flock is held by an older
+manager of this process takes it over. The older one first finishes what it
+has in flight (its `drain`), then gives up its locks and refuses every
+later save (`DirectoryInUseError` saying a newer manager took over). So one
+manager writes at a time still, and two processes never both do. Other
+holders (the tool's `gc`) are never taken over, and take over nothing.
 """
 from __future__ import annotations
 
@@ -25,7 +34,9 @@ import fcntl
 import logging
 import os
 import stat
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 
 from ..core import layout
 from ..errors import DirectoryInUseError
@@ -37,19 +48,43 @@ log = logging.getLogger("resilient_ckpt")
 
 
 class WriterLock:
-    """The flocks a writing manager holds on its file tiers."""
+    """The flocks a writing manager holds on its file tiers.
 
-    def __init__(self, directory: str):
+    `drain` (a manager's: waits for its saves in flight, raising nothing)
+    makes the lock one a newer manager of this process may take over, and
+    lets it take over an older one's."""
+
+    # Which lock of this process holds each lock file's flock, by the file's
+    # (device, inode): the flock itself is per open file, so only this
+    # process's own table can tell that the holder is a manager beside us.
+    _holders: dict[tuple[int, int], weakref.ref[WriterLock]] = {}
+    _holders_lock = threading.Lock()
+
+    def __init__(self, directory: str, drain: Callable[[], None] | None = None):
         self._directory = directory
+        self._drain = drain
+        self.takeable = drain is not None  # a manager's: a newer one may take it over
         self._fds: list[int] = []
+        self._keys: list[tuple[int, int]] = []
+        self._state = threading.Lock()
         self.held = False
+        self.superseded = False
+        self.took_over = False  # this lock's last hold took another manager's over
 
     def hold(self, tiers: Sequence[tuple[str, Storage]], process_index: int) -> None:
         """Locks every file tier this process writes for the job (a shared one
-        on process 0 only); DirectoryInUseError if another manager holds one.
-        Does nothing once held."""
+        on process 0 only), taking over an older manager's lock in this
+        process; DirectoryInUseError if another process (or the tool) holds
+        one, or if a newer manager took this one over. Does nothing once held."""
+        if self.superseded:
+            raise DirectoryInUseError(
+                f"{self._directory}: a newer CheckpointManager in this process took over "
+                "this directory, so this manager saves no more (its earlier saves "
+                "finished first). Save through the newer manager, or close it and open "
+                "a new one")
         if self.held:
             return
+        self.took_over = False
         fds: list[int] = []
         try:
             for name, st in tiers:
@@ -62,7 +97,11 @@ class WriterLock:
             for fd in fds:
                 os.close(fd)
             raise
-        self._fds, self.held = fds, True
+        with self._state:
+            self._fds, self.held = fds, True
+        with WriterLock._holders_lock:
+            self._keys = [_key(fd) for fd in fds]
+            WriterLock._holders.update({k: weakref.ref(self) for k in self._keys})
 
     def try_hold(self, tiers: Sequence[tuple[str, Storage]], process_index: int
                  ) -> DirectoryInUseError | None:
@@ -84,7 +123,7 @@ class WriterLock:
                         path, e)
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._flock(fd)
         except OSError as e:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
             os.close(fd)
@@ -103,11 +142,51 @@ class WriterLock:
         os.pwrite(fd, f"host {me.host} pid {me.pid}\n".encode(), 0)
         return fd
 
+    def _flock(self, fd: int) -> None:
+        """The exclusive flock of `fd`, taken over from an older manager of
+        this process that holds it, when both are managers' locks."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            with WriterLock._holders_lock:
+                ref = WriterLock._holders.get(_key(fd))
+            older = ref() if ref is not None else None
+            if not self.takeable or older is None or older is self or not older.takeable:
+                raise
+        older.hand_over()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.took_over = True
+
+    def hand_over(self) -> None:
+        """A newer manager of this process takes this lock over: every save
+        after this one is refused, the saves in flight finish, then every
+        lock is dropped."""
+        with self._state:
+            self.superseded = True
+        if self._drain is not None:
+            self._drain()
+        log.info("%s: a newer manager in this process takes over writing", self._directory)
+        self.release()
+
     def release(self) -> None:
         """Drops every lock held (close, or garbage collection); idempotent."""
-        fds, self._fds, self.held = self._fds, [], False
+        with self._state:
+            fds, self._fds, self.held = self._fds, [], False
+        with WriterLock._holders_lock:
+            for k in self._keys:
+                if (ref := WriterLock._holders.get(k)) is not None and ref() in (self, None):
+                    del WriterLock._holders[k]
+            self._keys = []
         for fd in fds:
             os.close(fd)
+
+
+def _key(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def holder(storage: Storage) -> str | None:

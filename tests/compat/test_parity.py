@@ -376,12 +376,14 @@ def test_documented_differences(tmp_path):
     with rc.CheckpointManager(d, options=ocp.CheckpointManagerOptions(read_only=True)) as m:
         assert m.save(1, args=ocp.args.StandardSave({"x": np.arange(2)}), force=True) is False
         assert list(m.all_steps()) == [0]
-    # A second live manager writing one directory is refused at its first save.
+    # A newer manager of the directory in this process takes it over; the
+    # older one then refuses to save (test_parity_takeover.py).
     with rc.CheckpointManager(tmp_path / "two") as first:
         first.save(0, args=ocp.args.StandardSave({"x": np.arange(2)}))
         with rc.CheckpointManager(tmp_path / "two") as second:
-            with pytest.raises(rc.DirectoryInUseError, match="another live manager"):
-                second.save(1, args=ocp.args.StandardSave({"x": np.arange(2)}))
+            second.save(1, args=ocp.args.StandardSave({"x": np.arange(2)}))
+            with pytest.raises(rc.DirectoryInUseError, match="newer CheckpointManager"):
+                first.save(2, args=ocp.args.StandardSave({"x": np.arange(2)}))
     # create=False with a missing directory fails fast.
     with pytest.raises(FileNotFoundError):
         rc.CheckpointManager(tmp_path / "missing",
