@@ -177,9 +177,9 @@ def install_hook(phase: str, count: int, point: str, seed: int) -> None:
             def flush(self, prefix):
                 self.die()
 
-        tier_steps.delete_step = lambda st, naming, step: hook.run(
-            lambda: delete_step(st, naming, step),
-            mid=lambda die: delete_step(DieAtFlush(st, die), naming, step))
+        tier_steps.delete_step = lambda st, naming, step, *rest: hook.run(
+            lambda: delete_step(st, naming, step, *rest),
+            mid=lambda die: delete_step(DieAtFlush(st, die), naming, step, *rest))
     elif phase == "upload":
         for name in ("put", "put_stream", "put_if_absent"):
             orig = getattr(GcsStorage, name)
