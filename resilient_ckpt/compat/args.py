@@ -101,8 +101,13 @@ class ItemMode:
                  item_handlers: Any = None):
         self.lock = lock
         self.composite: bool | None = None  # unset
+        # Legacy `checkpointers={name: Checkpointer(handler)}`: each item's
+        # args kind ("Standard", "Json", ...), for the legacy `items=` form.
+        self.legacy: dict[str, str] | None = None
         if checkpointers is not None:
             self.composite = isinstance(checkpointers, Mapping)
+            if self.composite:
+                self.legacy = {k: _legacy_kind(k, c) for k, c in checkpointers.items()}
         elif item_names is not None or item_handlers is not None:
             self.composite = item_handlers is None or isinstance(item_handlers, Mapping)
 
@@ -114,6 +119,8 @@ class ItemMode:
             if self.composite is None:
                 self.composite = args is not None and _is_composite(args)
             self._check(args, "save")
+        if self.legacy is not None and args is None and items is not None:
+            return self._legacy_composite(items, "Save")
         return legacy_args(args, items, "StandardSave")
 
     def restore_args(self, args: Any, items: Any,
@@ -126,7 +133,27 @@ class ItemMode:
             if self.composite is None:
                 self.composite = step_is_composite()
             self._check(args, "restore")
+        if self.legacy is not None and args is None and items is not None:
+            return self._legacy_composite(items, "Restore")
         return legacy_args(args, items, "StandardRestore")
+
+    def _legacy_composite(self, items: Any, what: str) -> Any:
+        """The legacy `items` of a manager made with a mapping of
+        checkpointers, as `ocp.args.Composite` of each item's args kind."""
+        import orbax.checkpoint as ocp
+        if not isinstance(items, Mapping):
+            raise ValueError(f"{what.lower()}: this manager was created with checkpointers "
+                             f"for items {sorted(self.legacy or {})}: pass `items` as a dict "
+                             f"of them, or args=ocp.args.Composite(...)")
+        kinds = self.legacy or {}
+        unknown = sorted(set(items) - set(kinds))
+        if unknown:
+            raise ValueError(f"{what.lower()}: items {unknown} have no checkpointer in this "
+                             f"manager (items: {sorted(kinds)})")
+        return ocp.args.Composite(**{
+            name: getattr(ocp.args, kinds[name] + what)(value)
+            for name, value in items.items()
+            if what == "Restore" or value is not None})
 
     def _check(self, args: Any, what: str) -> None:
         if args is None or self.composite is None or _is_composite(args) == self.composite:
@@ -144,6 +171,29 @@ class ItemMode:
             "(set by its first save or restore): pass one args object such as "
             "ocp.args.StandardSave(state), or create the manager with "
             "CheckpointManagerOptions(lock_item_mode=False) to mix both kinds")
+
+
+# Orbax's handlers (by class name, a subclass counts) -> the args kind that
+# stands for them in the legacy mapping of checkpointers.
+_LEGACY_HANDLERS = {"JsonCheckpointHandler": "Json", "ArrayCheckpointHandler": "Array",
+                    "StandardCheckpointHandler": "Standard", "PyTreeCheckpointHandler": "PyTree",
+                    "JaxRandomKeyCheckpointHandler": "JaxRandomKey",
+                    "NumpyRandomKeyCheckpointHandler": "NumpyRandomKey"}
+
+
+def _legacy_kind(name: str, checkpointer: Any) -> str:
+    """The args kind of a legacy checkpointer's handler (UnsupportedArgsError
+    naming the item for another handler)."""
+    handler = given = getattr(checkpointer, "handler", None)
+    for _ in range(4):  # Orbax wraps a handler without registered args in one of its own
+        for c in type(handler).__mro__:
+            if c.__name__ in _LEGACY_HANDLERS:
+                return _LEGACY_HANDLERS[c.__name__]
+        handler = getattr(handler, "_handler", None)
+    raise UnsupportedArgsError(
+        f"item {name!r}: a checkpointer of {type(given).__name__} is not supported by "
+        f"resilient_ckpt; give each item a Checkpointer of {sorted(_LEGACY_HANDLERS)}, or "
+        "pass item_names and save with ocp.args.Composite")
 
 
 def _items_not_args(items: Any, what: str) -> None:

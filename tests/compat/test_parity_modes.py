@@ -257,3 +257,40 @@ def test_training_face_mixes_kinds_as_orbax_v1_does(tmp_path):
         ck.save_checkpointables(1, {"items": {"a": np.arange(2)}})
         ck.wait()
         assert [c.step for c in ck.checkpoints] == [0, 1]
+
+
+# ------------------------------------------------------------------ legacy checkpointers
+
+def _legacy(impl: Impl, d: str):
+    """Orbax's legacy form: a mapping of Checkpointers at construction, then
+    `items` dicts at save and restore (a handler subclass counts as its base)."""
+    class MyPyTree(ocp.PyTreeCheckpointHandler):
+        pass
+    with impl.manager(d, {"state": ocp.Checkpointer(MyPyTree()),
+                          "arr": ocp.AsyncCheckpointer(ocp.ArrayCheckpointHandler()),
+                          "meta": ocp.Checkpointer(ocp.JsonCheckpointHandler())}) as m:
+        tree = {"a": np.arange(8), "b": {"c": np.ones(4, np.float32)}}
+        assert m.save(0, {"state": tree, "arr": np.arange(16), "meta": {"lang": "en"}})
+        m.wait_until_finished()
+        everything = m.restore(0)
+        named = m.restore(0, {"state": None, "arr": None, "meta": None})
+        return (sorted(everything.keys()), everything.state["a"].tolist(),
+                everything.meta, named["arr"].tolist(), sorted(named.keys()))
+
+
+def test_legacy_checkpointers_of_several_items(tmp_path):
+    ref, ours = run_both(tmp_path, _legacy, ours=(OURS,))
+    assert ours == [ref]
+    assert ref[0] == ["arr", "meta", "state"] and ref[2] == {"lang": "en"}
+
+
+def test_legacy_checkpointers_refuse_what_they_cannot_name(tmp_path):
+    with rc.CheckpointManager(tmp_path / "a", {
+            "state": ocp.Checkpointer(ocp.PyTreeCheckpointHandler())}) as m:
+        with pytest.raises(ValueError, match=r"items \['other'\] have no checkpointer"):
+            m.save(0, {"other": np.arange(2)})
+        with pytest.raises(ValueError, match="pass `items` as a dict"):
+            m.save(0, [np.arange(2)])
+    with pytest.raises(rc.errors.UnsupportedArgsError, match="item 'x'"):
+        rc.CheckpointManager(tmp_path / "b", {"x": ocp.Checkpointer(
+            ocp.ProtoCheckpointHandler(filename="p"))})
