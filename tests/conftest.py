@@ -48,9 +48,9 @@ settings.load_profile("default")  # --hypothesis-profile, when given, is loaded 
 
 def pytest_addoption(parser):
     g = parser.getgroup("resilient_ckpt", "resilient_ckpt's test sizes (docs/contributing.md)")
-    g.addoption("--kill-trials", type=int, default=7, metavar="N",
+    g.addoption("--kill-trials", type=int, default=14, metavar="N",
                 help="SIGKILLs in the default run's kill test (tests/faults/test_kill.py "
-                     "[smoke]): exactly N; default 7, one of each kind")
+                     "[smoke]): exactly N; default 14, two of each kind")
     g.addoption("--kill-campaign-trials", type=int, default=0, metavar="N",
                 help="SIGKILLs in the slow kill campaign (test_kill.py [campaign]): exactly "
                      "N; default 0: at least 50, up to 100 while 100 s last; the long run "

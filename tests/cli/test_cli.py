@@ -200,6 +200,7 @@ def test_a_manager_that_never_saves_records_nothing(tmp_path, mesh):
     assert not (d / RECORD_NAME).exists()
 
 
+@pytest.mark.slow  # 11 s: three runs of the tool; GCS storage itself is the default run's elsewhere
 def test_a_gcs_tier_is_listed_and_verified(gcs, url, tmp_path, ram_path, mesh):
     from resilient_ckpt.storage.gcs import GcsStorage
     d = tmp_path / "g"

@@ -35,7 +35,7 @@ other trial skips the parent's cleanup so the next child's own cleanup has to
 deal with the leftovers while it saves.
 
 Two sizes (options of tests/conftest.py): [smoke], in the default run, makes
-exactly `--kill-trials` kills (default 7, one of each kind); [campaign],
+exactly `--kill-trials` kills (default 14, two of each kind); [campaign],
 marked slow, makes exactly `--kill-campaign-trials` kills, or by default at
 least MIN_TRIALS and more while BUDGET_S lasts. The long run:
 

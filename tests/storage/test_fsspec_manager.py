@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import (
@@ -173,6 +174,7 @@ def test_a_shared_file_system_tier_round_trips(mesh, ram_path, tmp_path):
         assert_equal(m.restore(0), state)
 
 
+@pytest.mark.slow  # 8 s: runs of the tool; the S3 tier itself is tested above
 def test_the_command_line_lists_and_verifies_an_s3_tier(s3, mesh, ram_path, tmp_path):
     """`resilient-ckpt` finds the S3 tier from the directory's tiers record;
     the store's endpoint and credentials come from the environment, never
