@@ -37,6 +37,7 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -348,6 +349,7 @@ def _run_job(a) -> list[dict[int, dict]]:
                             "outcome": "hang", "detail": "ended when the job ended: "
                             + why[0][:300]}
         start = frontier + 1
+    shutil.rmtree(tmp, ignore_errors=True)
     return per
 
 
