@@ -33,6 +33,7 @@ Each line then names its process, and there is one summary per process.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import logging
 import os
@@ -297,6 +298,7 @@ def _worker(a) -> None:
             if test is not None and time.monotonic() - t0 > a.case_timeout:
                 result.extra["detail"] = f"still running after {a.case_timeout:g} s"
                 result._emit(test, "hang")  # noqa: SLF001 - this module's class
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
                 os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
@@ -327,6 +329,11 @@ def _run_job(a) -> list[dict[int, dict]]:
                         env={"TEST_TMPDIR": os.path.join(tmp, f"job{attempt}")},
                         heartbeat_timeout_s=max(20, int(a.case_timeout)))
         procs = job.collect(raise_on_timeout=False)
+        if a.logs:
+            os.makedirs(a.logs, exist_ok=True)
+            for p in procs:
+                with open(os.path.join(a.logs, f"job{attempt}-process{p.index}.log"), "w") as f:
+                    f.write(p.stdout + p.stderr)
         for p in procs:
             for line in p.results:
                 if "done" in line:
@@ -393,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case-timeout", type=float, default=90.0, metavar="S",
                    help="with --processes, a case still running after S seconds is a "
                         "hang (default 90)")
+    p.add_argument("--logs", metavar="DIR", default=None,
+                   help="with --processes, write each process's output there (a hung "
+                        "case's process adds the stacks of its threads)")
     # A worker of a --processes job (set by the job, not by hand).
     for opt, kind in (("--port", int), ("--pid", int), ("--nprocs", int), ("--devices", int),
                       ("--heartbeat-timeout-s", int), ("--start", int)):
