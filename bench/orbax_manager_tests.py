@@ -291,11 +291,15 @@ def _worker(a) -> None:
     result = _Outcomes(a.against, a.only, out)
     current: list = [None, 0.0]
 
+    # Process 0 holds the job's coordinator: it waits 5 s more, so that the
+    # others have reported (and shown their stacks) before it ends the job.
+    limit = a.case_timeout + (5 if a.pid == 0 else 0)
+
     def watchdog() -> None:
         while True:
             time.sleep(1)
             test, t0 = current
-            if test is not None and time.monotonic() - t0 > a.case_timeout:
+            if test is not None and time.monotonic() - t0 > limit:
                 result.extra["detail"] = f"still running after {a.case_timeout:g} s"
                 result._emit(test, "hang")  # noqa: SLF001 - this module's class
                 faulthandler.dump_traceback(sys.stderr, all_threads=True)
