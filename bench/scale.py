@@ -151,7 +151,7 @@ def view_of(index: int, n: int, keep: int) -> dict:
 def one_agreement(n: int, keep: int, protocol: str, costs: dict) -> dict:
     """Opens n simulated processes, then one save's agreement; its costs."""
     service = KeyValueService(n)
-    peers = [Peers("/ckpt", 600.0, job=(service.client(i), i, n), protocol=protocol)
+    peers = [Peers(600.0, job=(service.client(i), i, n), protocol=protocol)
              for i in range(n)]
     service.service_s, service.per_byte_s = costs["service_s"], costs["per_byte_s"]
     service.rtt_s = costs["rtt_s"]

@@ -70,7 +70,7 @@ class CheckpointManager:
                                str(self._directory),
                                next((s for s in storages.values()
                                      if getattr(s, "root", None) == home), None),
-                               Peers(str(self._directory), o.agreement_timeout_s))
+                               Peers(o.agreement_timeout_s))
         self._root = rootmeta.for_manager(str(self._directory), storages, metadata, options,
                                           o.read_only, self.catalog.peers.index)
         self._saver = Saver(plan, storages, self.catalog, o.io_threads,

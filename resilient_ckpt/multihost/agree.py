@@ -25,9 +25,10 @@ naming it on every process that waited: the leader names the views it did
 not get (in the decision it publishes instead, so the others name the same
 process); a silent leader is named by every process waiting for its decision.
 
-Rounds are numbered per manager; the managers of one directory are told apart
-by the order in which processes opened them (an atomic counter in the store),
-so every process must open managers and call their collective methods in the
+Rounds are numbered per manager; managers are told apart by the order in
+which processes opened them (an atomic counter in the store, job-wide: the
+processes may open different directories, e.g. each its own local one), so
+every process must open managers and call their collective methods in the
 same order, as with Orbax. The leader deletes round k - 1's keys once it has
 every view of round k (each was put after its process read decision k - 1);
 the last round's keys stay until the job ends.
@@ -43,7 +44,6 @@ survivors reads like a save by a smaller job.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -65,7 +65,7 @@ Round = tuple[int, tuple[int, ...]]  # a round's number and its processes
 class Peers:
     """This process's place in the job, and `decide` among all of it."""
 
-    def __init__(self, directory: str, timeout_s: float = 600.0, *,
+    def __init__(self, timeout_s: float = 600.0, *,
                  job: tuple[Any, int, int] | None = None, protocol: str = "gather"):
         """`job`: (client, index, count) of a simulated job (a
         `testing.kvservice` client); default: jax.distributed's."""
@@ -95,9 +95,10 @@ class Peers:
                 raise AgreementError(
                     f"{self.count} processes but no jax.distributed client: call "
                     "jax.distributed.initialize() before opening a CheckpointManager")
-            digest = hashlib.sha256(directory.encode()).hexdigest()[:16]
-            opened = self._client.key_value_increment(f"{_ROOT}/open/{digest}", 1)
-            self.token = f"{digest}.{(int(opened) - 1) // self.count}"
+            # The n-th manager every process opens is the same one, whatever
+            # directory each gave it.
+            opened = self._client.key_value_increment(f"{_ROOT}/open", 1)
+            self.token = f"m{(int(opened) - 1) // self.count}"
 
     @property
     def many(self) -> bool:

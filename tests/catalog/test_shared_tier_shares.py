@@ -114,7 +114,7 @@ def _catalog(st: FileStorage, index: int) -> Catalog:
     """A catalog of process `index` of a simulated job of WRITERS processes
     (the coordination service in-process, `testing.kvservice`)."""
     job = KeyValueService(WRITERS)
-    peers = Peers(st.root, job=(job.client(index), index, WRITERS))
+    peers = Peers(job=(job.client(index), index, WRITERS))
     return Catalog([("local", st)], layout.StepNaming(), st.root, None, peers)
 
 

@@ -28,7 +28,7 @@ def run_job(n, body, service=None, timeout_s=10.0, protocol="gather"):
 
     def one(i):
         try:
-            out[i] = body(Peers("/ckpt", timeout_s, job=(service.client(i), i, n),
+            out[i] = body(Peers(timeout_s, job=(service.client(i), i, n),
                                 protocol=protocol))
         except Exception as e:  # noqa: BLE001 - handed to the test
             out[i] = e
@@ -162,7 +162,7 @@ def test_a_round_a_lost_process_left_ends_at_once_when_the_leader_abandons_it():
 
 def test_an_unknown_protocol_is_refused():
     with pytest.raises(ValueError, match="agreement protocol 'ring'"):
-        Peers("/ckpt", 1.0, job=(KeyValueService(2).client(0), 0, 2), protocol="ring")
+        Peers(1.0, job=(KeyValueService(2).client(0), 0, 2), protocol="ring")
 
 
 @settings(max_examples=effort.examples(40), deadline=None)
@@ -217,7 +217,7 @@ def test_a_simulated_process_outside_the_job_is_refused(index):
         KeyValueService(3).client(index)
     client = KeyValueService(5).client(0)
     with pytest.raises(ValueError, match=f"simulated process {index} is not in a job of 3"):
-        Peers("/ckpt", 1.0, job=(client, index, 3))
+        Peers(1.0, job=(client, index, 3))
 
 
 def test_keys_behave_as_the_coordination_service_s():
