@@ -17,6 +17,10 @@ from ..storage.base import Storage
 log = logging.getLogger("resilient_ckpt")
 
 
+# Manifests of one step read at once from a remote store: a step of a job of
+# N hosts has N of them there, and the first process reads them all at open.
+MANIFEST_READS = 16
+
 # What reading or parsing one manifest copy may raise when its file is damaged
 # or hostile (deep nesting, a huge size, bad bytes). Each makes that copy
 # unusable, with the reason kept: one bad file never stops a manager from
@@ -32,8 +36,16 @@ def read_manifests(storage: Storage, d: str, names: list[str],
     a warning, never raised). `known`, a manifest this process just committed
     there, stands for its own name as it is, not read back."""
     mine = layout.manifest_name(known.process_index, known.process_count) if known else None
-    return tuple(known if name == mine else _read_manifest(storage, d, name)
-                 for name in sorted(names) if layout.parse_manifest_name(name) is not None)
+    names = [n for n in sorted(names) if layout.parse_manifest_name(n) is not None]
+    others = [n for n in names if n != mine]
+    if storage.remote and len(others) > 1:  # a request each: many at once (N writers' on GCS)
+        with cf.ThreadPoolExecutor(min(MANIFEST_READS, len(others)),
+                                   thread_name_prefix="rc-manifests") as ex:
+            read = dict(zip(others, ex.map(lambda n: _read_manifest(storage, d, n), others),
+                            strict=True))
+    else:
+        read = {n: _read_manifest(storage, d, n) for n in others}
+    return tuple(known if name == mine else read[name] for name in names)
 
 
 def _read_manifest(storage: Storage, d: str, name: str) -> mf.Manifest | CorruptCheckpointError:

@@ -7,6 +7,7 @@ the whole step. A step of 4 writers is made here from a real one-process save,
 its chunks split among 4 re-signed manifests, as a 4-process save leaves it."""
 import dataclasses
 import os
+import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -19,6 +20,7 @@ from resilient_ckpt.catalog.catalog import Catalog, JobView
 from resilient_ckpt.core import layout, manifest as mf, shares
 from resilient_ckpt.multihost.agree import Peers
 from resilient_ckpt.storage.files import FileStorage
+from resilient_ckpt.storage.wrapper import StorageWrapper
 from resilient_ckpt.testing.kvservice import KeyValueService
 from tests.support.corruption import device_state
 
@@ -165,3 +167,25 @@ def test_a_view_read_before_every_writer_committed_is_read_again_at_restore(shar
     held = {c.key for _, _, c in choice.manifest.chunks()}
     every = tier_steps.observe_step(shared, "local", layout.StepNaming(), 1)
     assert held == {c.key for x in every.manifests for _, _, c in x.chunks()}
+
+
+class _Paired(StorageWrapper):
+    """A remote store whose every manifest read waits for a second one at the
+    same time: reads one after another never meet (BrokenBarrierError)."""
+    remote = True
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.meet = threading.Barrier(2, timeout=10)
+
+    def read(self, key, max_bytes=None):
+        if layout.parse_manifest_name(key.rpartition("/")[2]):
+            self.meet.wait()
+        return self.inner.read(key, max_bytes)
+
+
+def test_a_remote_steps_manifests_are_read_at_once(shared):
+    """On a remote store each manifest is a request: the first process reads
+    a step's N writers' manifests several at a time, not one after another."""
+    ts = tier_steps.observe_step(_Paired(shared), "local", layout.StepNaming(), 1)
+    assert ts is not None and [m.process_index for m in ts.manifests] == list(range(WRITERS))
