@@ -158,16 +158,7 @@ class _Walker:
             except FileNotFoundError:
                 if not create:
                     raise
-        fd = self._root_fd(create)
-        try:
-            for p in parts:
-                sub = _subdir(fd, p, create)
-                os.close(fd)
-                fd = sub
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return _walk(self._root_fd(create), parts, create)
 
     def _open_in(self, dirs: list[str], name: str) -> int:
         """Opens object root/dirs/name for reading: relative to the directory
@@ -648,10 +639,15 @@ def open_below(base: str, rel: str) -> int:
     parts = [p for p in rel.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise OSError(errno.EINVAL, f"{rel!r} leaves {base}")
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return _walk(os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parts, False)
+
+
+def _walk(fd: int, parts: list[str], create: bool) -> int:
+    """The directory `parts` below directory `fd`, one `_subdir` at a time;
+    takes `fd` over (closed on the way, and on an error)."""
     try:
         for p in parts:
-            sub = _subdir(fd, p, create=False)
+            sub = _subdir(fd, p, create)
             os.close(fd)
             fd = sub
     except BaseException:
