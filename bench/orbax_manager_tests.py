@@ -47,7 +47,7 @@ import time
 import types
 import unittest
 
-from harness.options import bench_parser, parse_options, prepare
+from harness.options import at_least, bench_parser, parse_options, prepare
 
 prepare(devices=8)
 
@@ -401,9 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, choices=(1, 2, 4, 8),
                    help="run as this many cooperating jax.distributed processes "
                         "(8 CPU devices split among them; default 1)")
-    p.add_argument("--case-timeout", type=float, default=90.0, metavar="S",
-                   help="with --processes, a case still running after S seconds is a "
-                        "hang (default 90)")
+    p.add_argument("--case-timeout", type=at_least(1), default=90, metavar="S",
+                   help="with --processes, a case still running after S seconds (a "
+                        "whole number, at least 1) is a hang (default 90)")
     p.add_argument("--logs", metavar="DIR", default=None,
                    help="with --processes, write each process's output there (a hung "
                         "case's process adds the stacks of its threads)")

@@ -189,3 +189,29 @@ def test_a_remote_steps_manifests_are_read_at_once(shared):
     a step's N writers' manifests several at a time, not one after another."""
     ts = tier_steps.observe_step(_Paired(shared), "local", layout.StepNaming(), 1)
     assert ts is not None and [m.process_index for m in ts.manifests] == list(range(WRITERS))
+
+
+def test_a_part_whose_manifest_is_damaged_or_a_link_deletes_nothing_else(shared, tmp_path):
+    """Deleting its part, a process reads the other writers' manifests it
+    deletes for (hostile storage): one that does not parse loses its
+    manifest and claim, its chunks are left to `cleanup`; a chunk that is a
+    link is removed itself, what it points to is kept; nothing outside the
+    step directory is touched."""
+    step_dir = os.path.join(shared.root, "1")
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"keep")
+    m3 = mf.parse(open(os.path.join(step_dir, layout.manifest_name(3, WRITERS)), "rb").read())
+    key = next(c.key for _, _, c in m3.chunks())
+    os.unlink(os.path.join(step_dir, key))
+    os.symlink(outside, os.path.join(step_dir, key))
+    with open(os.path.join(step_dir, layout.manifest_name(1, WRITERS)), "wb") as f:
+        f.write(b'{"not": "a manifest"')
+    kept = {c.key for _, _, c in mf.parse(open(os.path.join(
+        step_dir, layout.manifest_name(0, WRITERS)), "rb").read()).chunks()}
+    tier_steps.delete_step(shared, layout.StepNaming(), 1, (1, 2))  # writers 1 and 3
+    left = set(os.listdir(step_dir))
+    assert not {layout.manifest_name(i, WRITERS) for i in (1, 3)} & left
+    assert not {layout.claim_name(i, WRITERS) for i in (1, 3)} & left
+    assert key not in left and outside.read_bytes() == b"keep"
+    assert {layout.manifest_name(0, WRITERS), layout.manifest_name(2, WRITERS)} <= left
+    assert kept <= left
