@@ -166,16 +166,16 @@ def _select(mesh, rep: tuple[str, ...], used: tuple[str, ...]):
     holder serves every other replica itself. (Written as a pick out of the
     stacked replicas, the same bound held only as long as XLA's partitioner
     chose to lower the pick that way.)"""
-    cell = PartitionSpec(used or None)
+    cells = used or None
+    nobody = jnp.iinfo(jnp.int32).max  # the first holder's index where none holds
 
     def select(x, h):  # per device: x (1, 1, width) bytes, h (1, 1) held
         me = jax.lax.axis_index(rep)
-        first = jax.lax.pmin(jnp.where(h[0, 0], me, jnp.iinfo(jnp.int32).max), rep)
+        first = jax.lax.pmin(jnp.where(h[0, 0], me, nobody), rep)
         words = jax.lax.bitcast_convert_type(x[0].reshape(1, -1, 4), jnp.uint32)
         mine = jnp.where(me == first, words, jnp.zeros_like(words))
         picked = jax.lax.bitcast_convert_type(jax.lax.psum(mine, rep), jnp.uint8)
-        return picked.reshape(1, -1), (first < jnp.iinfo(jnp.int32).max).reshape(1)
+        return picked.reshape(1, -1), (first < nobody).reshape(1)
     return jax.jit(jax.shard_map(
-        select, mesh=mesh, in_specs=(PartitionSpec(rep, used or None, None),
-                                     PartitionSpec(rep, used or None)),
-        out_specs=(PartitionSpec(used or None, None), cell)))
+        select, mesh=mesh, in_specs=(PartitionSpec(rep, cells, None), PartitionSpec(rep, cells)),
+        out_specs=(PartitionSpec(cells, None), PartitionSpec(cells))))
