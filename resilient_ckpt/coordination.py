@@ -32,18 +32,21 @@ Exchanged views come in the order of the live processes (`peers.live`).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as futures
 import dataclasses
 import hashlib
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from .catalog.catalog import Catalog, JobView
-from .core import manifest
+from .core import manifest, summary
 from .core.selection import Choice
 from .errors import (
+    AgreementError,
     CheckpointError,
     CorruptCheckpointError,
     DirectoryInUseError,
@@ -54,6 +57,7 @@ from .errors import (
 )
 from .multihost import peer_fill
 from .multihost.agree import Peers, Round
+from .multihost.vote import DeviceVote
 from .restore.assemble import Hole
 from .restore.loop import restore_alone
 from .save import tierrecord
@@ -65,7 +69,7 @@ log = logging.getLogger("resilient_ckpt")
 class Coordinator:
     """The manager's collective points (see the module docstring)."""
 
-    def __init__(self, catalog: Catalog, saver: Saver, directory: str):
+    def __init__(self, catalog: Catalog, saver: Saver, directory: str, vote: bool = True):
         self._catalog, self._saver, self._directory = catalog, saver, directory
         self.peers = catalog.peers
         self._started: set[int] = set()  # steps saved since the last agreement
@@ -75,6 +79,13 @@ class Coordinator:
         # A save's agreement in the background, and the round it runs in.
         self._pending: tuple[futures.Future, Round] | None = None
         self._pool: futures.ThreadPoolExecutor | None = None
+        # A save's agreement as one all-reduce on the devices (`_vote`, made at
+        # first use), while every process of the job is live; the saves it speaks of.
+        self._voting = vote
+        self._vote: DeviceVote | None = None
+        self._recent: collections.deque = collections.deque(maxlen=8)  # (step, save id)
+        self._cancel = threading.Event()  # set when the round under way is given up
+        self.votes = 0  # save agreements a vote decided (the rest went through the store)
 
     def in_flight(self) -> set[int]:
         """Steps being written: this process's, or with several processes the
@@ -122,11 +133,53 @@ class Coordinator:
             self._started.add(step)
         self._saver.run_retention()
 
-    def _in_background(self, step: int, at: Round) -> tuple[JobView, list[SaveFailedError], int]:
-        errors = self._saver.take_errors()
-        job = self._catalog.agree(f"save of step {step}", self._saver.pending(),
-                                  [str(e) for e in errors], at=at)
+    def _in_background(self, step: int, at: Round, vote: tuple | None
+                       ) -> tuple[JobView, list[SaveFailedError], int]:
+        what = f"save of step {step}"
+        if vote is None:
+            errors = self._saver.take_errors()
+        else:  # the job's vote; the store if some view was irregular or the vote failed
+            result, candidates, errors, orbax = vote
+            cancel = self._cancel
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                reduced = DeviceVote.wait(result, what, self.peers.timeout_s, cancel)
+            except AgreementError as e:
+                if cancel.is_set():
+                    raise
+                log.warning("%s; agreeing through the store instead (which names a "
+                            "process that does not answer)", e)
+            else:
+                decided = summary.decide(reduced, candidates, self._catalog.names, orbax)
+                if decided is not None:
+                    self.votes += 1
+                    return JobView.from_json(decided), errors, step
+        job = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors], at=at)
         return job, errors, step
+
+    def _start_vote(self) -> tuple | None:
+        """On the training thread, at a save every process makes: this
+        process's vector dispatched to the job's all-reduce (`core.summary`,
+        `multihost.vote`), with what `_in_background` decides from; None
+        when the job agrees through the store (the option is off, or a
+        process has been lost: the same answer on every process)."""
+        if not self._voting or self.peers.size != self.peers.count:
+            return None
+        names = self._catalog.names
+        if self._vote is None:
+            self._vote = DeviceVote(self.peers.live, summary.WIDTH)
+        candidates = sorted(set(self._catalog.agreed_saves())
+                            | {(s, sid, self.peers.size) for s, sid in self._recent})
+        errors = self._saver.take_errors()
+        view = self._catalog.report(self._saver.pending(), [str(e) for e in errors])
+        row = summary.encode(view, candidates, names, self.peers.rank, self.peers.size)
+        try:  # the first vote of a job also joins every process's devices: it waits for them
+            result: Any = self._vote.start(row)
+        except Exception as e:  # noqa: BLE001 - jax's runtime errors are untyped
+            result = AgreementError(f"save of step {self._recent[-1][0]}: the job's vote "
+                                    f"could not start: {e}")
+        return result, candidates, errors, view["orbax"]
 
     def close(self) -> None:
         """Ends the background agreement thread (after `finish`)."""
@@ -156,6 +209,7 @@ class Coordinator:
         lost = set(self.peers.live) - {int(q) for q in processes}
         pending, self._pending = self._pending, None
         if pending is not None:
+            self._cancel.set()  # a vote under way ends at once
             self.peers.abandon(pending[1], lost)  # its round ends at once everywhere
             try:
                 job, errors, _ = pending[0].result()
@@ -164,6 +218,7 @@ class Coordinator:
                          "dropped: %s", sorted(lost), e)
             else:  # it ended before the loss: its failures still count
                 self._take(job, errors, hold=True)
+            self._cancel = threading.Event()
         self.peers.set_live(processes)
         self._catalog.reload()  # the lost processes' last commits included
         self._started.clear()
@@ -183,10 +238,13 @@ class Coordinator:
             if self._pool is None:
                 self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="rc-agree")
             at = self.peers.reserve()
-            self._pending = self._pool.submit(self._in_background, step, at), at
+            sid = hashlib.sha256(f"{self._first_id}:{self._saves}:{step}".encode()
+                                 ).hexdigest()[:32]
+            self._recent.append((step, sid))
+            self._pending = self._pool.submit(self._in_background, step, at,
+                                              self._start_vote()), at
             self._started.add(step)
-            return hashlib.sha256(f"{self._first_id}:{self._saves}:{step}".encode()
-                                  ).hexdigest()[:32]
+            return sid
         job = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex,
                                                    "in_use": in_use and str(in_use)},
                           hold=True)
@@ -198,6 +256,7 @@ class Coordinator:
             raise DirectoryInUseError(f"process {q} of the job could not lock "
                                       f"{self._directory} for writing: {msg}")
         self._first_id = str(job.save_id)  # every process holds its lock from now on
+        self._recent.append((step, self._first_id))
         self._saver.run_retention()
         self._started.add(step)
         return self._first_id

@@ -75,7 +75,8 @@ class CheckpointManager:
                                           o.read_only, self.catalog.peers.index)
         self._saver = Saver(plan, storages, self.catalog, o.io_threads,
                             o.host_memory_budget, o.over_budget)
-        self._coord = Coordinator(self.catalog, self._saver, str(self._directory))
+        self._coord = Coordinator(self.catalog, self._saver, str(self._directory),
+                                  o.agreement_vote)
         # Taken by the first save, dropped at close or when this is collected;
         # a newer manager of this directory in this process takes it over
         # (after this one's saves in flight finish: writer_lock.py).

@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..compat import orbax_steps as legacy
@@ -136,6 +136,7 @@ class Catalog:
         self.peers = peers
         self._job = JobView.decided([_empty_view()])
         self._whole: dict[tuple[int, str, int], shares.Share | None] = {}
+        self._intact: dict[tuple[str, int], tuple] = {}  # `_reported`'s, per (tier, step)
         self._lock = threading.Lock()
         self._views: dict[str, dict[int, selection.TierStep]] = {}
         self._partial: set[tuple[str, int]] = set()  # (tier, step): own manifest only, so far
@@ -347,14 +348,7 @@ class Catalog:
         thread for an agreement in the background: one round only (no second
         round for `unsettled` saves), and what it decided is returned, not
         kept (`install`)."""
-        shared = {n for n, st in self._tiers if st.shared}
-        with self._lock:
-            obs, bad = self._observations(), frozenset(self._bad)
-            orbax = sorted(self._orbax)
-        self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
-        mine = _reported(obs, bad, shared, self.peers, self._whole, self.names)
-        view = dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
-                    errors=list(errors), orbax=orbax, **(extra or {}))
+        view = self.report(pending, errors, extra)
         kept: list[JobView] = []  # the whole view, on the process that decides
 
         def first(views: list) -> dict:
@@ -364,12 +358,37 @@ class Catalog:
         if at is not None:
             return job
         if job.unsettled:  # decided from exchanged data: every process asks, or none
+            with self._lock:
+                obs, bad = self._observations(), frozenset(self._bad)
             report = shares.box_report(obs, self.names, bad, job.unsettled)
             job = JobView.from_json(self.peers.decide(
                 f"{what} (boxes of saves no share makes whole)", {"boxes": report},
                 lambda views: kept[-1].cover(views).to_json()))
         self.install(job)
         return job
+
+    def report(self, pending: set[int], errors: Sequence[str],
+               extra: dict | None = None) -> dict:
+        """This process's view for an agreement (`agree`'s arguments): the
+        shares it reports, the steps it is writing, its failures, its Orbax
+        steps."""
+        shared = {n for n, st in self._tiers if st.shared}
+        with self._lock:
+            obs, bad = self._observations(), frozenset(self._bad)
+            orbax = sorted(self._orbax)
+        self._whole = {k: v for k, v in self._whole.items() if k[0] in obs}
+        self._intact = {k: v for k, v in self._intact.items() if k[1] in obs}
+        mine = _reported(obs, bad, shared, self.peers, (self._whole, self._intact), self.names)
+        return dict(_empty_view(), shares=[s.to_json() for s in mine], pending=sorted(pending),
+                    errors=list(errors), orbax=orbax, **(extra or {}))
+
+    def agreed_saves(self) -> list[shares.Save]:
+        """The saves the last agreement counted or left unsettled:
+        (step, save id, writer count), the same on every process."""
+        with self._lock:
+            job = self._job
+        return sorted({(a.step, a.save_id, a.count) for a in job.steps.values()}
+                      | set(job.unsettled))
 
     def install(self, job: JobView) -> None:
         """From now on, answer from `job` (what an agreement decided)."""
@@ -469,18 +488,38 @@ def _writers(ts: selection.TierStep | None, agreed: shares.AgreedStep) -> int:
                 if isinstance(m, Manifest) and m.save_id == agreed.save_id})
 
 
-def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers, whole: dict,
-              names: list[str]) -> list[shares.Share]:
+def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers,
+              caches: tuple[dict, dict], names: list[str]) -> list[shares.Share]:
     """The shares this process reports at an agreement. On a tier every
     process sees, each reports its own share (it knows its own commits;
     another's view of it may be older than the commit), labelled by its
     index, or by its rank for a save made after a loss (`Peers.set_live`);
     the first live process all it sees (saves by another process count
-    included: it alone reads them all, `Catalog.reload`)."""
+    included: it alone reads them all, `Catalog.reload`). `caches`: the
+    whole copies' and the intact shares' (`_own_shares`)."""
     me = {peers.index, peers.rank}
-    mine = shares.local_shares(obs, bad, lambda t, q: t not in shared
-                               or q in me or peers.rank == 0)
-    return mine + _whole_copies(whole, obs, names, bad, {(s.step, s.save_id) for s in mine})
+    mine = _own_shares(caches[1], obs, bad, (peers.index, peers.rank), lambda t, q: (
+        t not in shared or q in me or peers.rank == 0))
+    return mine + _whole_copies(caches[0], obs, names, bad, {(s.step, s.save_id) for s in mine})
+
+
+def _own_shares(cache: dict, obs: dict, bad: frozenset, who: tuple[int, int],
+                reports: Callable[[str, int], bool]) -> list[shares.Share]:
+    """`shares.local_shares`, cached per (tier, step) while that tier's view
+    of the step (replaced, never changed, on every commit and reload), the
+    bad copies (which only grow) and this process's labels stay the same:
+    checking every chunk of every manifest at every agreement would cost the
+    first process, which sees every writer's manifests on a shared tier
+    after an open, hosts x chunks per agreement."""
+    out: set[shares.Share] = set()
+    for step, views in obs.items():
+        for ts in views:
+            hit = cache.get((ts.tier, step))
+            if hit is None or hit[0] is not ts or hit[1:3] != (len(bad), who):
+                hit = (ts, len(bad), who, shares.local_shares({step: [ts]}, bad, reports))
+                cache[(ts.tier, step)] = hit
+            out.update(hit[3])
+    return sorted(out)
 
 
 def _whole_copies(cache: dict, obs: dict, names: list[str], bad: frozenset,

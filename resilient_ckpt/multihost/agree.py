@@ -29,9 +29,10 @@ Rounds are numbered per manager; managers are told apart by the order in
 which processes opened them (an atomic counter in the store, job-wide: the
 processes may open different directories, e.g. each its own local one), so
 every process must open managers and call their collective methods in the
-same order, as with Orbax. The leader deletes round k - 1's keys once it has
-every view of round k (each was put after its process read decision k - 1);
-the last round's keys stay until the job ends.
+same order, as with Orbax. The leader deletes the keys of the last round it
+led once it has every view of the next (each was put after its process read
+that decision; a round a device vote decided, `multihost.vote`, has no
+keys); the last round's keys stay until the job ends.
 With one process there is nothing to exchange and no store is used.
 
 After a process of the job is lost (its host is gone and the survivors go on
@@ -83,6 +84,7 @@ class Peers:
         self.protocol = protocol
         self._client: Any = None
         self._round = 0
+        self._led: int | None = None  # the last round this process led through the store
         self._waits: futures.ThreadPoolExecutor | None = None  # the leader's, for late views
         self.token = "solo"  # names this manager's keys (and probe files) in the job
         if self.count > 1:
@@ -221,8 +223,11 @@ class Peers:
                                        json.dumps({"error": f"{type(e).__name__}: {e}"}))
             raise
         self._client.key_value_set(prefix + "d", json.dumps({"v": decision}))
-        if k:  # every process put its view of round k after it read decision k - 1
-            self._client.key_value_delete(self._prefix(k - 1).rstrip("/"))
+        if self._led is not None:  # every process put its view of round k after it
+            # read the decision of the last round through the store (rounds a
+            # vote decided, `core.summary`, left no keys)
+            self._client.key_value_delete(self._prefix(self._led).rstrip("/"))
+        self._led = k
         return decision
 
     def _silent(self, processes: list[int], what: str, k: int, thing: str) -> AgreementError:

@@ -215,3 +215,31 @@ def test_a_part_whose_manifest_is_damaged_or_a_link_deletes_nothing_else(shared,
     assert key not in left and outside.read_bytes() == b"keep"
     assert {layout.manifest_name(0, WRITERS), layout.manifest_name(2, WRITERS)} <= left
     assert kept <= left
+
+
+def test_the_first_process_checks_each_writers_chunks_once_not_at_every_agreement(
+        shared, monkeypatch):
+    """The first process reports every writer's share it sees on the shared
+    tier. Each share is checked chunk by chunk when its tier's view of the
+    step changes, not again at every agreement; a copy found bad since then
+    still drops the share at the next report."""
+    cat = _catalog(shared, 0)
+    cat.reload()
+    checked: list[int] = []
+    real = shares.has_copy
+
+    def has_copy(*a):  # a spy: the real check, counted
+        checked.append(1)
+        return real(*a)
+    monkeypatch.setattr(shares, "has_copy", has_copy)
+    first = cat.report(set(), [])
+    assert sorted({(s[0], s[2]) for s in first["shares"] if s[2] >= 0}) == [
+        (step, q) for step in (1, 2) for q in range(WRITERS)]
+    n = len(checked)
+    assert n > 0
+    assert cat.report(set(), []) == first and len(checked) == n  # nothing checked again
+    m = next(x for x in cat.view("local")[1].manifests if x.process_index == 3)
+    cat.add_bad([("local", next(iter(m.chunks()))[2].key)])
+    again = cat.report(set(), [])
+    assert (1, 3) not in {(s[0], s[2]) for s in again["shares"]}
+    assert (2, 3) in {(s[0], s[2]) for s in again["shares"]}
