@@ -29,6 +29,17 @@ and every branch after it is taken from the same exchanged data:
 - `set_live`: after a loss, the survivors go on among themselves: every
   collective above is among them from then on (`agree.Peers.set_live`).
 Exchanged views come in the order of the live processes (`peers.live`).
+
+How a round travels: while every process of the job is live, the rounds of
+saves after the first, of `finish` and of reloads and restores are first
+put to the job's vote (`_start_vote`, `_voted`): each process's view as a
+fixed vector (`core.summary`), one all-reduce over the devices
+(`multihost.vote`), dispatched where every process dispatches its training
+programs, so in the same order everywhere. What the vote cannot decide (an
+irregular view anywhere, which every process sees alike) and a vote that
+failed go through the key-value store (`agree.Peers.decide`), which names
+a process that does not answer. The open, a manager's first save, the
+restore's own rounds and every round after a loss always use the store.
 """
 from __future__ import annotations
 
@@ -85,7 +96,7 @@ class Coordinator:
         self._vote: DeviceVote | None = None
         self._recent: collections.deque = collections.deque(maxlen=8)  # (step, save id)
         self._cancel = threading.Event()  # set when the round under way is given up
-        self.votes = 0  # save agreements a vote decided (the rest went through the store)
+        self.votes = 0  # agreements a vote decided (the rest went through the store)
 
     def in_flight(self) -> set[int]:
         """Steps being written: this process's, or with several processes the
@@ -95,13 +106,22 @@ class Coordinator:
         return self._catalog.pending_anywhere() | self._started
 
     def _agree(self, what: str, extra: dict | None = None, failures: bool = True,
-               hold: bool = False) -> JobView:
+               hold: bool = False, vote: bool = False) -> JobView:
         """One agreement; with `failures`, background failures anywhere are
-        handed over and raised on every process (`hold`: by `raise_failures`)."""
+        handed over and raised on every process (`hold`: by `raise_failures`).
+        `vote`: by the job's vote where it can decide (`_voted`)."""
         self.settle()
         errors = self._saver.take_errors() if failures else []
-        job = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
-                                  extra)
+        job = None
+        if vote and extra is None and self._can_vote():
+            job = self._voted(self._start_vote(what, errors))
+            if job is not None and job.unsettled:  # its second round is the store's
+                job = None
+            if job is not None:
+                self._catalog.install(job)
+        if job is None:
+            job = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors],
+                                      extra)
         self._started.clear()
         self._take(job, errors, hold)
         return job
@@ -135,51 +155,57 @@ class Coordinator:
 
     def _in_background(self, step: int, at: Round, vote: tuple | None
                        ) -> tuple[JobView, list[SaveFailedError], int]:
-        what = f"save of step {step}"
-        if vote is None:
-            errors = self._saver.take_errors()
-        else:  # the job's vote; the store if some view was irregular or the vote failed
-            result, candidates, errors, orbax = vote
-            cancel = self._cancel
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                reduced = DeviceVote.wait(result, what, self.peers.timeout_s, cancel)
-            except AgreementError as e:
-                if cancel.is_set():
-                    raise
-                log.warning("%s; agreeing through the store instead (which names a "
-                            "process that does not answer)", e)
-            else:
-                decided = summary.decide(reduced, candidates, self._catalog.names, orbax)
-                if decided is not None:
-                    self.votes += 1
-                    return JobView.from_json(decided), errors, step
-        job = self._catalog.agree(what, self._saver.pending(), [str(e) for e in errors], at=at)
+        errors = self._saver.take_errors() if vote is None else vote[2]
+        job = None if vote is None else self._voted(vote)
+        if job is None:  # the store: no vote, an irregular view, or a failed vote
+            job = self._catalog.agree(f"save of step {step}", self._saver.pending(),
+                                      [str(e) for e in errors], at=at)
         return job, errors, step
 
-    def _start_vote(self) -> tuple | None:
-        """On the training thread, at a save every process makes: this
-        process's vector dispatched to the job's all-reduce (`core.summary`,
-        `multihost.vote`), with what `_in_background` decides from; None
-        when the job agrees through the store (the option is off, or a
-        process has been lost: the same answer on every process)."""
-        if not self._voting or self.peers.size != self.peers.count:
-            return None
+    def _can_vote(self) -> bool:
+        """Whether the job votes (the option is on and every process of the job
+        is live: the same answer on every process)."""
+        return self._voting and self.peers.many and self.peers.size == self.peers.count
+
+    def _start_vote(self, what: str, errors: list[SaveFailedError]) -> tuple:
+        """On the calling thread, at a point every process reaches (a save,
+        `wait_until_finished`, a reload): this process's vector dispatched to
+        the job's all-reduce (`core.summary`, `multihost.vote`), with what
+        `_voted` decides from."""
         names = self._catalog.names
         if self._vote is None:
             self._vote = DeviceVote(self.peers.live, summary.WIDTH)
         candidates = sorted(set(self._catalog.agreed_saves())
                             | {(s, sid, self.peers.size) for s, sid in self._recent})
-        errors = self._saver.take_errors()
         view = self._catalog.report(self._saver.pending(), [str(e) for e in errors])
         row = summary.encode(view, candidates, names, self.peers.rank, self.peers.size)
         try:  # the first vote of a job also joins every process's devices: it waits for them
             result: Any = self._vote.start(row)
         except Exception as e:  # noqa: BLE001 - jax's runtime errors are untyped
-            result = AgreementError(f"save of step {self._recent[-1][0]}: the job's vote "
-                                    f"could not start: {e}")
-        return result, candidates, errors, view["orbax"]
+            result = AgreementError(f"{what}: the job's vote could not start: {e}")
+        return result, candidates, errors, view["orbax"], what
+
+    def _voted(self, vote: tuple) -> JobView | None:
+        """What the job's vote decided; None where the job agrees through the
+        store instead: some view was irregular (every process sees that), or
+        the vote failed here (the store's round then names a process that
+        does not answer). A vote given up after a loss (`set_live`) raises."""
+        result, candidates, _, orbax, what = vote
+        cancel = self._cancel
+        try:
+            if isinstance(result, Exception):
+                raise result
+            reduced = DeviceVote.wait(result, what, self.peers.timeout_s, cancel)
+        except AgreementError as e:
+            if cancel.is_set():
+                raise
+            log.warning("%s; agreeing through the store instead", e)
+            return None
+        decided = summary.decide(reduced, candidates, self._catalog.names, orbax)
+        if decided is None:
+            return None
+        self.votes += 1
+        return JobView.from_json(decided)
 
     def close(self) -> None:
         """Ends the background agreement thread (after `finish`)."""
@@ -200,7 +226,7 @@ class Coordinator:
     def refresh(self, what: str) -> None:
         """Agrees on what exists again (reload, restore)."""
         if self.peers.many:
-            self._agree(what, failures=False)
+            self._agree(what, failures=False, vote=True)
 
     def set_live(self, processes: Any) -> None:
         """After a loss: every collective from now on among `processes` (jax
@@ -241,8 +267,9 @@ class Coordinator:
             sid = hashlib.sha256(f"{self._first_id}:{self._saves}:{step}".encode()
                                  ).hexdigest()[:32]
             self._recent.append((step, sid))
-            self._pending = self._pool.submit(self._in_background, step, at,
-                                              self._start_vote()), at
+            vote = (self._start_vote(f"save of step {step}", self._saver.take_errors())
+                    if self._can_vote() else None)
+            self._pending = self._pool.submit(self._in_background, step, at, vote), at
             self._started.add(step)
             return sid
         job = self._agree(f"save of step {step}", {"save_id": uuid.uuid4().hex,
@@ -266,9 +293,9 @@ class Coordinator:
         raises on every process a failure any of them had."""
         self._saver.wait_all()
         if self.peers.many:
-            self._agree("wait_until_finished")
+            self._agree("wait_until_finished", vote=True)
             futures.wait(self._saver.run_retention())
-            self._agree("wait_until_finished (after retention)", failures=False)
+            self._agree("wait_until_finished (after retention)", failures=False, vote=True)
         self.raise_failures()
         self._saver.raise_errors()
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.ambient import apart
 from ..errors import AgreementError
 
 
@@ -51,6 +52,7 @@ class DeviceVote:
             self._max = jax.jit(lambda x: jnp.max(x, axis=0),
                                 out_shardings=NamedSharding(mesh, PartitionSpec()))
 
+    @apart()  # the caller's mesh context does not reach the vote
     def start(self, row: np.ndarray) -> jax.Array:
         """Dispatches the reduction of this process's `row`; returns its
         (future) result. Every live process calls it at the same point."""

@@ -7,7 +7,8 @@ may pick that mesh up: the first save's probe of this jax's buffers ran a
 jitted program on process 1's device, and the fill from peers (each host
 restores from its own RAM tier first, and process 1's RAM lacks the shards
 of the replicated leaf that process 0 wrote) a program over all devices;
-jax refused both ("incompatible devices ... jit's context mesh").
+jax refused both ("incompatible devices ... jit's context mesh"). The job's
+votes (`multihost.vote`) run over every device too.
 """
 import pytest
 
@@ -49,6 +50,7 @@ def run(ctx):
         got = m.restore(0, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract))).params
         peers = dict(m.last_restore.bytes_by_tier).get("peers", 0)
+        votes = m._coord.votes
     assert jax.sharding.get_mesh().devices.size == len(devs) // jax.process_count()
     out = {}
     for name, x in got.items():
@@ -59,7 +61,7 @@ def run(ctx):
                 (jax.random.key_data(tree[name]) if name == "k" else tree[name]).addressable_shards}
         out[name] = out[name] == want and x.sharding == (
             jax.random.key_data(tree[name]) if name == "k" else tree[name]).sharding
-    mh.report({"pid": ctx.pid, "exact": out, "peers": int(peers)})
+    mh.report({"pid": ctx.pid, "exact": out, "peers": int(peers), "votes": votes})
 
 
 mh.main(run, ctx)
@@ -72,3 +74,4 @@ def test_a_job_saves_and_restores_inside_its_own_mesh_context(hosts):
     assert all(r.ok for r in res) and all(g and "exact" in g for g in got), describe(res)
     assert all(all(g["exact"].values()) for g in got), got
     assert got[1]["peers"] > 0, got  # the fill from peers ran (inside the caller's context)
+    assert got[0]["votes"] >= 2, got  # so did the job's votes (wait_until_finished, restore)
