@@ -4,10 +4,11 @@ Each target leaf becomes a `LeafTarget` (a jax array on a sharding, a numpy
 value, or as saved) checked against its record (its shape must match; another
 dtype is a cast of the verified host copy, as Orbax casts; `ocp.PLACEHOLDER`
 leaves are not read and come back as they are); per leaf, the boxes this
-process's devices need are planned against the saved chunks and read through
-a `reader.ChunkReader`. Target shards that are exactly one saved chunk are
-used as read (on the CPU backend, aliased into the jax array without a copy).
-So host memory peaks at the restored state plus the reader's staging budget.
+process's devices need are planned against the saved chunks (once per layout
+for all the leaves of it: `Layouts`) and read through a `reader.ChunkReader`.
+Target shards that are exactly one saved chunk are used as read (on the CPU
+backend, aliased into the jax array without a copy). So host memory peaks at
+the restored state plus the reader's staging budget.
 An `Into` leaf (CPU backend) names an XLA-owned array that the bytes are read
 straight into, the elastic loop's touched reserve (`elastic.state`).
 """
