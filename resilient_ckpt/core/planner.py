@@ -160,11 +160,12 @@ class LayoutPlan:
         """The boxes that are exactly one of `chunks`, each with its chunk."""
         return {box: chunks[i] for box, i in self.exact}
 
-    def targets(self, chunks: Sequence[ChunkRecord], exact: bool = True
+    def targets(self, chunks: Sequence[ChunkRecord], with_exact: bool = True
                 ) -> dict[Box, TargetPlan]:
-        """The plan of each box against `chunks` (without the `exact` ones: False)."""
+        """The plan of each box against `chunks` (with_exact=False: of the
+        `parts` boxes only)."""
         out = {}
-        if exact:
+        if with_exact:
             for box, i in self.exact:
                 whole = tuple(slice(0, k) for k in box[1])
                 out[box] = TargetPlan(box, (Piece(chunks[i], whole, whole, box_elements(box)),))

@@ -34,7 +34,7 @@ from ..core.manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, 
 from ..core.planner import LayoutPlans, plan_target
 from ..core.pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
 from ..core.selection import Choice
-from ..core.sharding import box_elements, index_to_box, rebuild
+from ..core.sharding import Box, box_elements, index_to_box, rebuild
 from ..errors import TargetMismatchError
 from ..native.hostmem import carve, untouched_zeros
 from ..storage.base import Storage
@@ -150,7 +150,7 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
     layout = (layouts or LayoutPlans()).plan(boxes, rec.chunks, where)
     wholes: dict = {}
     if dest is None:
-        singles, plans = layout.singles(rec.chunks), layout.targets(rec.chunks, exact=False)
+        singles, plans = layout.singles(rec.chunks), layout.targets(rec.chunks, with_exact=False)
     else:
         singles, plans = {}, layout.targets(rec.chunks)
     reader.vouch([c for c in singles.values()] + [p.chunk for plan in plans.values()
@@ -297,7 +297,8 @@ class Targets:
         cpu = all(d.platform == "cpu" for ds in by_box.values() for d in ds)  # type: ignore[attr-defined]
         return cls(dict(by_box), cpu, of_index)
 
-    def box(self, index: tuple, shape: tuple) -> Any:
+    def box(self, index: tuple, shape: tuple) -> Box:
+        """The box of a shard index: looked up when it is one of the map's."""
         known = self.of_index.get(id(index))
         return known[1] if known is not None and known[0] is index \
             else index_to_box(index, shape)

@@ -117,7 +117,8 @@ def test_a_layout_planned_once_gives_each_leaf_its_own_fresh_plan(case):
         fresh = planner.plan_boxes(boxes, chunks, "leaf b")
         assert got.targets(chunks) == {p.box: p for p in fresh}
         assert got.singles(chunks) == {p.box: p.single for p in fresh if p.single is not None}
-        assert got.targets(chunks, exact=False) == {p.box: p for p in fresh if p.single is None}
+        parts = {p.box: p for p in fresh if p.single is None}
+        assert got.targets(chunks, with_exact=False) == parts
 
 
 def test_another_layout_is_planned_anew():
