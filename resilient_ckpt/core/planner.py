@@ -143,6 +143,74 @@ def plan_boxes(boxes: Sequence[Box], chunks: Sequence[ChunkRecord], where: str
     return plans
 
 
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan:
+    """plan_boxes's answer for one layout, by chunk position rather than by
+    chunk: the same for every leaf whose target boxes and whose chunks' boxes
+    (in order) are the same, as the many leaves of one shape and sharding in a
+    model's state are. `exact` holds the boxes that are exactly one chunk
+    (box, its position), `parts` the others (box, pieces as (chunk position,
+    src, dst, elements))."""
+
+    exact: tuple[tuple[Box, int], ...]
+    parts: tuple[tuple[Box, tuple[tuple[int, tuple[slice, ...], tuple[slice, ...], int], ...]],
+                 ...]
+
+    def singles(self, chunks: Sequence[ChunkRecord]) -> dict[Box, ChunkRecord]:
+        """The boxes that are exactly one of `chunks`, each with its chunk."""
+        return {box: chunks[i] for box, i in self.exact}
+
+    def targets(self, chunks: Sequence[ChunkRecord], with_exact: bool = True
+                ) -> dict[Box, TargetPlan]:
+        """The plan of each box against `chunks` (with_exact=False: of the
+        `parts` boxes only)."""
+        out = {}
+        if with_exact:
+            for box, i in self.exact:
+                whole = tuple(slice(0, k) for k in box[1])
+                out[box] = TargetPlan(box, (Piece(chunks[i], whole, whole, box_elements(box)),))
+        for box, pieces in self.parts:
+            out[box] = TargetPlan(box, tuple(Piece(chunks[i], src, dst, n)
+                                             for i, src, dst, n in pieces))
+        return out
+
+
+def plan_layout(boxes: Sequence[Box], chunks: Sequence[ChunkRecord], where: str
+                ) -> LayoutPlan:
+    """plan_boxes of `boxes` against `chunks`, by chunk position (LayoutPlan)."""
+    at = {id(c): i for i, c in enumerate(chunks)}
+    exact, parts = [], []
+    for plan in plan_boxes(boxes, chunks, where):
+        single = plan.single
+        if single is not None:
+            exact.append((plan.box, at[id(single)]))
+        else:
+            parts.append((plan.box, tuple((at[id(p.chunk)], p.src, p.dst, p.elements)
+                                          for p in plan.pieces)))
+    return LayoutPlan(tuple(exact), tuple(parts))
+
+
+class LayoutPlans:
+    """plan_layout, worked out once per layout and reused for every leaf of
+    it: planning each of a state's thousands of chunks anew was a large part
+    of a restore's Python time, though a model has a handful of layouts. A
+    layout is the target boxes and the chunks' boxes in order, all a plan
+    depends on (not the dtype: plans count elements). One per restore."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, LayoutPlan] = {}
+
+    def plan(self, boxes: Sequence[Box], chunks: Sequence[ChunkRecord], where: str
+             ) -> LayoutPlan:
+        """plan_layout(boxes, chunks, where), remembered; a layout that fails
+        to plan raises ValueError naming `where` each time."""
+        key = (tuple(boxes), tuple([(c.offsets, c.sizes) for c in chunks]))
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = plan_layout(boxes, chunks, where)
+        return got
+
+
 def _disjoint(box: Box, inters: list[Box]) -> bool:
     """Whether boxes (each inside `box`) overlap nowhere. A few are compared
     pairwise; many on the grid their edges make, marking each cell once, so a

@@ -4,10 +4,11 @@ Each target leaf becomes a `LeafTarget` (a jax array on a sharding, a numpy
 value, or as saved) checked against its record (its shape must match; another
 dtype is a cast of the verified host copy, as Orbax casts; `ocp.PLACEHOLDER`
 leaves are not read and come back as they are); per leaf, the boxes this
-process's devices need are planned against the saved chunks and read through
-a `reader.ChunkReader`. Target shards that are exactly one saved chunk are
-used as read (on the CPU backend, aliased into the jax array without a copy).
-So host memory peaks at the restored state plus the reader's staging budget.
+process's devices need are planned against the saved chunks (once per layout
+for all the leaves of it: `Layouts`) and read through a `reader.ChunkReader`.
+Target shards that are exactly one saved chunk are used as read (on the CPU
+backend, aliased into the jax array without a copy). So host memory peaks at
+the restored state plus the reader's staging budget.
 An `Into` leaf (CPU backend) names an XLA-owned array that the bytes are read
 straight into, the elastic loop's touched reserve (`elastic.state`).
 """
@@ -30,10 +31,10 @@ from ..compat import args as args_lib, metadata
 from ..core import layout
 from ..core.ambient import apart
 from ..core.manifest import ChunkRecord, ItemRecord, LeafRecord, decode_scalar, path_str
-from ..core.planner import plan_boxes, plan_target
+from ..core.planner import LayoutPlans, plan_target
 from ..core.pytree import PLACEHOLDER, build_nested, flatten, match_target, unflatten
 from ..core.selection import Choice
-from ..core.sharding import box_elements, index_to_box, rebuild
+from ..core.sharding import Box, box_elements, index_to_box, rebuild
 from ..errors import TargetMismatchError
 from ..native.hostmem import carve, untouched_zeros
 from ..storage.base import Storage
@@ -135,21 +136,23 @@ def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
 
 
 def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
-                zero_copy: bool, dest: dict | None = None) -> Callable[[], dict]:
+                zero_copy: bool, dest: dict | None = None,
+                layouts: LayoutPlans | None = None) -> Callable[[], dict]:
     """Starts reading the host arrays for each target box of one leaf; the
     returned call waits for them and returns them by box. Whole chunks are
     read on the reader's pool, so the next leaves' reads run meanwhile, into
     buffers cut from one mapping here first (`hostmem.carve`); boxes that
     stack whole rows of RAM-tier chunks are views of those chunks mapped in
     row order, checked on the pool (`ChunkReader.stitch`). With `dest`
-    (box -> array), every box is read into its array instead."""
+    (box -> array), every box is read into its array instead. The plan
+    comes from `layouts` (planned once per layout) where given."""
     dtype = jnp.dtype(rec.dtype)
-    wholes, plans, singles = {}, {}, {}
-    for box, plan in zip(boxes, plan_boxes(boxes, rec.chunks, where), strict=True):
-        if dest is None and plan.single is not None:
-            singles[box] = plan.single
-        else:
-            plans[box] = plan
+    layout = (layouts or LayoutPlans()).plan(boxes, rec.chunks, where)
+    wholes: dict = {}
+    if dest is None:
+        singles, plans = layout.singles(rec.chunks), layout.targets(rec.chunks, with_exact=False)
+    else:
+        singles, plans = {}, layout.targets(rec.chunks)
     reader.vouch([c for c in singles.values()] + [p.chunk for plan in plans.values()
                                                  for p in plan.pieces], where)
     mapped: dict = {}
@@ -189,20 +192,33 @@ def _mappable(reader: ChunkReader, c: ChunkRecord, zero_copy: bool) -> bool:
     return zero_copy and reader.maps(c)
 
 
+class _Ready:
+    """The outcome of a read done on the restoring thread, waited for as a
+    pool task's future is (a Future per small chunk cost more than its read)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: Exception | None = None):
+        self.value, self.error = value, error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: bool,
-                 out: np.ndarray | None) -> cf.Future:
+                 out: np.ndarray | None) -> cf.Future | _Ready:
     """reader.whole(c) into `out` (None: the chunk is `_mappable`) started on
     the reader's pool, or done on this thread for a small chunk mapped from
     the RAM tier: on the pool its few system calls each waited for the GIL
     while this thread planned the next leaves."""
     if out is not None or c.stored_nbytes > INLINE_BYTES:
         return reader.pool.submit(reader.whole, c, where, zero_copy, out)
-    done: cf.Future = cf.Future()
     try:
-        done.set_result(reader.whole(c, where, zero_copy, out))
+        return _Ready(reader.whole(c, where, zero_copy, out))
     except Exception as e:  # raised where the caller waits, as from the pool
-        done.set_exception(e)
-    return done
+        return _Ready(error=e)
 
 
 def _assemble(plans: dict, dtype: np.dtype, reader: ChunkReader, where: str,
@@ -258,27 +274,71 @@ def _readable(box, rec: LeafRecord, where: str) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """The boxes a sharding puts on this process's devices for one shape."""
+
+    by_box: dict  # box -> the devices that hold it
+    cpu: bool  # every one of those devices is a CPU
+    # id(index) -> (index, box) for the indices jax hands `_place`'s callback:
+    # those of the map it caches per (sharding, shape), held here.
+    of_index: dict
+
+    @classmethod
+    def of(cls, sharding: jax.sharding.Sharding, shape: tuple) -> Targets:
+        by_box, of_index = collections.defaultdict(list), {}
+        for d, idx in sharding.addressable_devices_indices_map(shape).items():
+            # jax annotates the map's values `Index | None`, but each is a subset of
+            # devices_indices_map's, which are never None.
+            box = index_to_box(idx, shape)  # type: ignore[arg-type]
+            by_box[box].append(d)
+            of_index[id(idx)] = (idx, box)
+        # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
+        cpu = all(d.platform == "cpu" for ds in by_box.values() for d in ds)  # type: ignore[attr-defined]
+        return cls(dict(by_box), cpu, of_index)
+
+    def box(self, index: tuple, shape: tuple) -> Box:
+        """The box of a shard index: looked up when it is one of the map's."""
+        known = self.of_index.get(id(index))
+        return known[1] if known is not None and known[0] is index \
+            else index_to_box(index, shape)
+
+
+class Layouts:
+    """What the leaves of one layout share, worked out once per restore
+    rather than per leaf (a model's state has thousands of leaves and a
+    handful of layouts): the target boxes of a (sharding, shape), and the
+    plans of those boxes against the saved chunks (planner.LayoutPlans)."""
+
+    def __init__(self) -> None:
+        self.plans = LayoutPlans()
+        self._targets: dict[tuple, Targets] = {}
+
+    def targets(self, sharding: jax.sharding.Sharding, shape: tuple) -> Targets:
+        key = (sharding, tuple(shape))
+        got = self._targets.get(key)
+        if got is None:
+            got = self._targets[key] = Targets.of(sharding, tuple(shape))
+        return got
+
+
 def _start_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkReader,
-               where: str, cast: np.dtype | None = None, into: jax.Array | None = None
-               ) -> Callable[[], jax.Array]:
+               where: str, cast: np.dtype | None = None, into: jax.Array | None = None,
+               layouts: Layouts | None = None) -> Callable[[], jax.Array]:
     """Starts the reads of one jax leaf; the returned call assembles it (or,
     with `into`, fills that array in place and returns it)."""
     shape = rec.shape
-    index_map = sharding.addressable_devices_indices_map(shape)
-    by_box = collections.defaultdict(list)
-    for d, idx in index_map.items():
-        # jax annotates the map's values `Index | None`, but each is a subset of
-        # devices_indices_map's, which are never None.
-        by_box[index_to_box(idx, shape)].append(d)  # type: ignore[arg-type]
-    # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
-    cpu = all(d.platform == "cpu" for d in index_map)  # type: ignore[attr-defined]
+    layouts = layouts or Layouts()
+    targets = layouts.targets(sharding, shape)
+    by_box, cpu = targets.by_box, targets.cpu
     boxes = list(by_box)
     missing = [] if reader.fills is None else [b for b in boxes
                                                if not _readable(b, rec, where)]
     views = _writable(into, sharding, by_box) \
         if into is not None and cpu and cast is None and not missing else None
     pending = _read_boxes(rec, [b for b in boxes if b not in missing], reader, where, cpu,
-                          None if views is None else {b: v[0] for b, v in views.items()})
+                          None if views is None else {b: v[0] for b, v in views.items()},
+                          layouts.plans)
 
     def finish() -> jax.Array:
         host = pending()
@@ -293,7 +353,7 @@ def _start_jax(rec: LeafRecord, sharding: jax.sharding.Sharding, reader: ChunkRe
                 host = {b: a.astype(cast) for b, a in host.items()}
             for b in missing:  # filled from the peers' replicas, after every process read
                 host[b] = untouched_zeros(b[1], cast or jnp.dtype(rec.dtype))
-            out = _place(shape, sharding, host)
+            out = _place(shape, sharding, host, targets)
         if reader.fills is not None:
             gone = set(missing)
             reader.fills[where] = Hole(out, {d: b not in gone for b, ds in by_box.items()
@@ -320,7 +380,8 @@ def _writable(into: jax.Array, sharding: jax.sharding.Sharding, by_box: dict
     return views
 
 
-def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict) -> jax.Array:
+def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict, targets: Targets
+           ) -> jax.Array:
     """The jax array of a leaf from its host boxes, in one batched put (a put
     per shard costs an order of magnitude more than one per leaf). On the
     CPU backend each device's shard aliases its box's host buffer, several
@@ -329,13 +390,15 @@ def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict) -> jax.Arr
     donated aliased shard gets a new buffer; tests/save/test_donation.py)."""
     # (jax annotates the index `Index | None`; it never passes None.)
     return jax.make_array_from_callback(
-        shape, sharding, lambda index: host[index_to_box(index, shape)])  # type: ignore[arg-type]
+        shape, sharding, lambda index: host[targets.box(index, shape)])  # type: ignore[arg-type]
 
 
 def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
-               where: str) -> Callable[[], Any]:
+               where: str, layouts: Layouts | None = None) -> Callable[[], Any]:
     """Checks one leaf's target and starts its reads; the returned call
-    returns the restored leaf."""
+    returns the restored leaf. `layouts` carries what leaves of one layout
+    share (one per restore; None: worked out for this leaf alone)."""
+    layouts = layouts or Layouts()
     _check(rec, tgt, where)
     if rec.kind == "none":
         return lambda: None
@@ -345,7 +408,7 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
     cast = _cast_to(rec, tgt)
     if tgt.kind == "numpy" or (tgt.kind == "value" and rec.kind.startswith("numpy")):
         full = (tuple(0 for _ in rec.shape), tuple(rec.shape))
-        read = _read_boxes(rec, [full], reader, where, False)
+        read = _read_boxes(rec, [full], reader, where, False, layouts=layouts.plans)
 
         def numpy_leaf() -> Any:
             got = read()[full]
@@ -355,7 +418,7 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
     sharding = tgt.sharding if tgt.kind == "jax" else None
     if rec.kind == "prng_key":
         data_sharding = _key_data_sharding(sharding) or _default_sharding(rec, where)
-        data = _start_jax(rec, data_sharding, reader, where)
+        data = _start_jax(rec, data_sharding, reader, where, layouts=layouts)
 
         def key_leaf() -> Any:
             key = jax.random.wrap_key_data(data(), impl=rec.key_impl)
@@ -364,7 +427,7 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
             return key
         return key_leaf
     return _start_jax(rec, sharding or _default_sharding(rec, where), reader, where, cast,
-                      tgt.into)
+                      tgt.into, layouts)
 
 
 def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
@@ -373,7 +436,7 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
     are started before the first leaf is assembled, so the reader's threads
     read and checksum ahead while this one places arrays."""
     t0 = time.perf_counter()
-    started = []
+    started, layouts = [], Layouts()
     # No garbage collection meanwhile: the futures and views made here set it
     # off every few leaves, and jax's hook runs on each collection. What this
     # allocates is freed by refcount.
@@ -384,7 +447,7 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
             # (named by item too, past the default one: leaves of two items may share paths)
             where = f"item {item!r}, leaf {path_str(rec.path)}" \
                 if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
-            started.append(start_leaf(rec, tgt, reader, where))
+            started.append(start_leaf(rec, tgt, reader, where, layouts))
         out = [finish() for finish in started]
     finally:
         if collecting:

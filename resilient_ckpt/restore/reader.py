@@ -142,6 +142,8 @@ class ChunkReader:
             list(self.pool.map(lambda c: self._vouch(c, where), todo))
 
     def _unvouched(self, c: ChunkRecord) -> bool:
+        if c.stored_nbytes < VOUCH_MIN_BYTES and c.nbytes < VOUCH_MIN_BYTES:
+            return False  # no tier doubts it (`_doubt`): asked first, it is the cheaper test
         tier = self.first_copy(c)
         return tier is not None and (tier, c.key) not in self._vouched and \
             self._doubt(c, self.storages[tier])
@@ -436,8 +438,10 @@ class ChunkReader:
 
     def first_copy(self, c: ChunkRecord) -> str | None:
         """The tier whose copy of `c` is read first, if any is left."""
-        return next((t for t in self.choice.sources.get(c.key, ())
-                     if (t, c.key) not in self.bad), None)
+        for t in self.choice.sources.get(c.key, ()):  # (asked twice a chunk: no generator)
+            if (t, c.key) not in self.bad:
+                return t
+        return None
 
     def _failed(self, tier: str, key: str, msg: str, why: str) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
 """Unit and property tests of planning: save de-duplication and restore coverage."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -88,3 +89,60 @@ def test_planning_many_boxes_at_once_agrees_with_one_at_a_time(case):
     with pytest.raises(ValueError, match="cover"):  # a box off the tiles is still refused
         planner.plan_boxes([(tuple(0 for _ in shape), tuple(n + 1 for n in shape))],
                            chunks, "leaf")
+
+
+def other_leaf(chunks, name):
+    """The chunks of another leaf of the same layout: the same boxes, in the
+    same order, under other keys and of another size (another dtype)."""
+    return [dataclasses.replace(c, key=f"{name}/{c.key}", nbytes=c.nbytes * 2,
+                                stored_nbytes=c.stored_nbytes * 2) for c in chunks]
+
+
+@given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
+    st.just(tuple(shape)),
+    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]),
+    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]))))
+def test_a_layout_planned_once_gives_each_leaf_its_own_fresh_plan(case):
+    # Boxes that are chunks, cross chunks or hold several: the plan kept from
+    # one leaf, given another leaf's chunks, is what planning that leaf anew gives.
+    shape, save_cuts, target_cuts = case
+    a = grid_chunks(shape, save_cuts)
+    boxes = list(dict.fromkeys((c.offsets, c.sizes)
+                               for c in grid_chunks(shape, target_cuts) + a))
+    plans = planner.LayoutPlans()
+    kept = plans.plan(boxes, a, "leaf a")
+    for chunks in (a, other_leaf(a, "b")):
+        got = plans.plan(boxes, chunks, "leaf b")
+        assert got is kept
+        fresh = planner.plan_boxes(boxes, chunks, "leaf b")
+        assert got.targets(chunks) == {p.box: p for p in fresh}
+        assert got.singles(chunks) == {p.box: p.single for p in fresh if p.single is not None}
+        parts = {p.box: p for p in fresh if p.single is None}
+        assert got.targets(chunks, with_exact=False) == parts
+
+
+def test_another_layout_is_planned_anew():
+    plans = planner.LayoutPlans()
+    rows = grid_chunks((8, 4), [[2, 4, 6], []])
+    kept = plans.plan([(c.offsets, c.sizes) for c in rows], rows, "leaf a")
+    # Other target boxes (another sharding) of the same chunks.
+    halves = [((0, 0), (4, 4)), ((4, 0), (4, 4))]
+    got = plans.plan(halves, rows, "leaf b")
+    assert got is not kept
+    assert got.targets(rows) == {p.box: p for p in planner.plan_boxes(halves, rows, "b")}
+    # The same target boxes against chunks cut otherwise (saved on another mesh).
+    cols = grid_chunks((8, 4), [[], [2]])
+    same_boxes = [(c.offsets, c.sizes) for c in rows]
+    got = plans.plan(same_boxes, cols, "leaf c")
+    assert got is not kept
+    assert got.targets(cols) == {p.box: p for p in planner.plan_boxes(same_boxes, cols, "c")}
+    assert got.singles(cols) == {}
+
+
+def test_a_layout_that_fails_to_plan_fails_for_every_leaf_by_name():
+    plans = planner.LayoutPlans()
+    chunks = grid_chunks((4, 4), [[2], [2]])[:-1]  # a corner missing
+    full = [((0, 0), (4, 4))]
+    for name in ("leaf a", "leaf b"):
+        with pytest.raises(ValueError, match=f"{name}: the saved chunks cover 12 of the 16"):
+            plans.plan(full, other_leaf(chunks, name), name)
