@@ -55,6 +55,7 @@ from harness.options import bench_parser, parse_options, prepare, size_label
 
 prepare(devices=8)
 
+import jax  # noqa: E402
 from harness.measure import cpu_seconds, settle, timed, trim  # noqa: E402
 from harness.plot import plot  # noqa: E402
 from harness.report import (  # noqa: E402
@@ -145,6 +146,16 @@ class OrbaxGcs:
         return got.seconds, got.peak
 
 
+def objects(endpoint: str, url: str) -> int:
+    """How many objects lie under `url` (every step of it, everything)."""
+    from resilient_ckpt.storage.gcs import GcsStorage
+    st = GcsStorage(url, endpoint=endpoint)
+    try:
+        return len(st._list("", None)[0])  # every object under it, not one level
+    finally:
+        st.close()
+
+
 def remove(endpoint: str, url: str) -> None:
     from resilient_ckpt.storage.gcs import GcsStorage
     st = GcsStorage(url, endpoint=endpoint)
@@ -154,10 +165,12 @@ def remove(endpoint: str, url: str) -> None:
 
 
 def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid: int,
-            mesh) -> dict:
-    state = build_state("weights", size, mesh, dtype=dtype_name)
-    nbytes = tree_bytes(state)
+            mesh, layout: str = "weights") -> dict:
+    state = (build_state("decoder", size, mesh) if layout == "decoder"
+             else build_state("weights", size, mesh, dtype=dtype_name))
+    nbytes, leaves = tree_bytes(state), len(jax.tree.leaves(state))
     ours, orbax, runs, stored, lims = OursGcs(endpoint), OrbaxGcs(), {}, {}, []
+    counted: dict[str, int] = {}  # objects a step leaves, by system
     shards = unique_shards(state, largest_first=False)
     transport = GcsTransport(endpoint, BUCKET, shards)
     peaks: dict[tuple[str, str], list[int]] = {}
@@ -220,6 +233,8 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
                 start()
                 add(system, case, *(orbax.restore(urls[key], state) if system == "orbax"
                                     else ours.restore(urls[key], state, key)))
+                if key in ("raw", "orbax"):  # one step there, after a save of two
+                    counted[system] = objects(endpoint, urls[key])
                 remove(endpoint, urls[key])
             limit("put_media", lambda run=run: transport.put(f"{run}/limit"))
             limit("get_fresh", lambda run=run: transport.get(f"{run}/limit", fresh=True))
@@ -232,7 +247,9 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
         transport.close()
     del state, shards
     trim()
-    common = {"bench": BENCH, "bytes": nbytes, "dtype": dtype_name, "devices": 8}
+    common = {"bench": BENCH, "bytes": nbytes, "dtype": dtype_name, "devices": 8,
+              "state": layout, "leaves": leaves,
+              "objects_per_step": counted}
     for (system, case), xs in runs.items():
         med = statistics.median(xs)
         extra = {"stored_bytes": stored[case.rsplit("_", 1)[1]]} if case in (
@@ -247,7 +264,7 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
           **{k: round(statistics.median(x[k] for x in lims), 3) for k in lims[0]},
           "runs": lims})
     med = {k: statistics.median(v) for k, v in runs.items()}
-    key = f"{size_label(size)}_{dtype_name}"
+    key = f"{'decoder-' if layout == 'decoder' else ''}{size_label(size)}_{dtype_name}"
     o_save, o_rest = med[("orbax", "save_gcs")], med[("orbax", "restore_gcs")]
     o_again = med[("orbax", "save_gcs_again")]
     ours_med = {c: t for (s_, c), t in med.items() if s_ == "resilient_ckpt"}
@@ -268,6 +285,8 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
         / med[("limit", "get_fresh")],
         f"orbax_restore_gcs_vs_limit_fresh_{key}": o_rest / med[("limit", "get_fresh")],
         f"zstd_stored_fraction_{key}": stored["zstd"] / nbytes,
+        f"objects_per_step_{key}": counted.get("resilient_ckpt", 0),
+        f"orbax_objects_per_step_{key}": counted.get("orbax", 0),
         **peaks_vs_budget({k: max(v) for k, v in peaks.items()}, nbytes, key),
     }
 
@@ -275,6 +294,10 @@ def run_one(size: int, dtype_name: str, repeats: int, endpoint: str, server_pid:
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser(__doc__, sizes="1GB", quick_sizes="128MB", plots=True)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--state", choices=("weights", "decoder"), default="weights",
+                   help="the state: 'weights' (the figures' usual state, in each of "
+                        "--dtypes) or 'decoder' (a 32-layer decoder with Adam's moments, "
+                        "about 870 leaves, FSDP, float32: bench/harness/state.py)")
     p.add_argument("--from-jsonl", metavar="FILE", help="only plot the lines of an earlier run")
     a = parse_options(p, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
@@ -289,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(server.env())  # Orbax (tensorstore) reads these at first use
         server.create_bucket(BUCKET)
         for size in a.sizes:
-            for dt in a.dtypes.split(","):
+            for dt in (a.dtypes.split(",") if a.state == "weights" else ["float32"]):
                 summary.update(run_one(size, dt, a.repeats, server.endpoint,
-                                       server.pid, mesh))
+                                       server.pid, mesh, a.state))
     emit_summary(BENCH, {k: round(v, 3) for k, v in summary.items()}, plot=a.plot)
     return 0
 

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("script, args, says", [
     ("save_restore.py", ["--state", "bogus"], "argument --state: invalid choice"),
+    ("gcs.py", ["--state", "train"], "argument --state: invalid choice"),
     ("orbax_manager_tests.py", ["--case-timeout", "-1"], "--case-timeout: must be at least 1"),
     ("orbax_manager_tests.py", ["--case-timeout", "0.5"], "--case-timeout: takes a whole"),
     ("orbax_manager_tests.py", ["--processes", "3"], "argument --processes: invalid choice"),
