@@ -354,8 +354,11 @@ class Coordinator:
         device, before a shared tier (GCS) is read for it."""
         choice = self._skeleton_if_none(step, self._catalog.choice(step, own_only))
         reported = []
+        narrowed = [choice is not None and self._catalog.narrowed(step, own_only)]
 
         def settle(holes: dict[str, Hole]) -> dict[str, Any]:
+            if narrowed[0] and any(not all(h.have.values()) for h in holes.values()):
+                raise _Narrowed()  # before any other process hears of this attempt
             reported.append(True)
             return self._settle(step, holes)
         error: BaseException | None = None
@@ -363,7 +366,7 @@ class Coordinator:
             if choice is None:
                 raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
                                              f"of step {step}")
-            return attempt(choice, settle), [], None
+            return self._attempt(step, choice, attempt, settle, narrowed, own_only), [], None
         except _Abandoned as a:
             return None, a.failures, None
         except TargetMismatchError as e:
@@ -378,6 +381,30 @@ class Coordinator:
         out = self.peers.decide(f"restore of step {step}", {"failure": failure, "holes": []},
                                 _outcomes)
         return None, [(self.peers.live[q], f) for q, f in out["failures"]], error
+
+    def _attempt(self, step: int, choice: Choice, attempt: Callable[..., Any],
+                 settle: Callable[[dict[str, Hole]], dict[str, Any]], narrowed: list[bool],
+                 own_only: bool) -> Any:
+        """attempt(choice, settle). Where `choice` holds the manifests of only
+        the writers whose boxes this process's devices held at the save
+        (`narrowed[0]`, `Catalog.narrowed`) and the target needs boxes of
+        others (a layout other than the save's: a plan finds chunks missing,
+        or shards are left for the peers), once more with every writer's
+        manifest read: here alone, before the attempt's first round, so the
+        job's rounds stay the same on every process."""
+        try:
+            return attempt(choice, settle)
+        except (_Narrowed, ValueError) as e:
+            if not narrowed[0] or isinstance(e, (TargetMismatchError, CorruptCheckpointError)):
+                raise
+        log.info("step %d: the target's layout is not the save's; process %d reads every "
+                 "writer's manifest of it", step, self.peers.index)
+        narrowed[0] = False
+        whole = self._catalog.choice(step, own_only, complete=True)
+        if whole is None:
+            raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
+                                         f"of step {step}")
+        return attempt(whole, settle)
 
     def _skeleton_if_none(self, step: int, choice: Choice | None) -> Choice | None:
         """Where this process can read nothing of `step` but a peer holds all of
@@ -497,6 +524,11 @@ def _agreed_failure(errors: list[SaveFailedError], failed: list[tuple[int, str]]
         mine = SaveFailedError.listing(errors)
         err.failures, err.__cause__ = mine.failures or (mine,), mine
     return err
+
+
+class _Narrowed(Exception):
+    """A restore attempt needs boxes of writers whose manifests this process
+    did not read (`Coordinator._attempt`); never leaves this process."""
 
 
 class _Abandoned(Exception):

@@ -4,7 +4,8 @@ process knows it.
 It keeps one view per tier (step -> `TierStep`, from `tier_steps.observe` at open
 and on `reload`, then updated after each of this process's own commits and
 deletes; on a tier the whole job sees, a process other than the first live
-one knows only its own manifests of a step until it restores that step), the
+one knows only its own manifests of a step until it restores that step, and
+then those of the writers its devices' boxes come from, or all), the
 (tier, chunk) copies known to fail their checksums, the steps Orbax itself
 wrote in the manager's directory, the metrics of steps still in
 flight, and a cache of `selection.viable` over all of it. Retention's choice of
@@ -33,8 +34,10 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax
+
 from ..compat import orbax_steps as legacy
-from ..core import retention, selection, shares
+from ..core import retention, selection, shares, writers
 from ..core.layout import StepNaming
 from ..core.manifest import Manifest
 from ..core.retention import Retention
@@ -129,7 +132,10 @@ class Catalog:
     """Tier views, bad copies and Orbax steps; `viable()` merges them."""
 
     def __init__(self, tiers: Sequence[tuple[str, Storage]], naming: StepNaming,
-                 directory: str, home: Storage | None, peers: Peers):
+                 directory: str, home: Storage | None, peers: Peers,
+                 devices: dict[int, int] | None = None):
+        """`devices`: device id -> process index of every device of the job
+        (default: jax.devices()'s)."""
         self._tiers = list(tiers)  # (name, storage), fastest first
         self.naming = self._naming = naming  # step directory names
         self._directory, self._home = directory, home
@@ -140,6 +146,10 @@ class Catalog:
         self._lock = threading.Lock()
         self._views: dict[str, dict[int, selection.TierStep]] = {}
         self._partial: set[tuple[str, int]] = set()  # (tier, step): own manifest only, so far
+        # (tier, step) -> save id: a partial view that holds every manifest of
+        # that save this process's devices need (`_narrow`)
+        self._narrowed: dict[tuple[str, int], str] = {}
+        self._devices = devices
         self._orbax: set[int] = set()
         self._bad: set[tuple[str, str]] = set()
         self._cache: dict[int, selection.Choice] | None = None
@@ -177,7 +187,7 @@ class Catalog:
                 partial |= {(n, s) for s in steps}
         orbax = legacy.orbax_steps(self._home, self._naming) if self._home else set()
         with self._lock:
-            self._views, self._partial = views, partial
+            self._views, self._partial, self._narrowed = views, partial, {}
             self._orbax = orbax - {s for v in views.values() for s in v}
             self._cache = None
 
@@ -208,6 +218,7 @@ class Catalog:
         with self._lock:
             if ts is not None:
                 self._views.setdefault(tier, {})[m.step] = ts
+            self._narrowed.pop((tier, m.step), None)  # it may be another save's now
             self._cache = None
 
     def _own_labels(self, storage: Storage) -> set[int] | None:
@@ -226,6 +237,7 @@ class Catalog:
         with self._lock:
             views, self._cache = self._views, None
             old = views.get(tier, {}).pop(step, None)
+            self._narrowed.pop((tier, step), None)
         part = (self.peers.rank, self.peers.size) if storage.shared and self.peers.many \
             else None
         known = [m for m in (old.manifests if old else ()) if isinstance(m, Manifest)
@@ -309,10 +321,17 @@ class Catalog:
         with self._lock:
             return set(self._job.pending)
 
-    def choice(self, step: int, own_only: bool = False) -> selection.Choice | None:
+    def choice(self, step: int, own_only: bool = False, complete: bool = False
+               ) -> selection.Choice | None:
         """Where this process reads `step` from (None: not viable, or, with
         several processes, nothing of it readable here). `own_only`: from
-        this host's own tiers only, not from those the whole job sees."""
+        this host's own tiers only, not from those the whole job sees.
+
+        On a tier the whole job sees, a process that knows only its own
+        manifests of the step reads now those of the writers that hold the
+        boxes its devices held when the step was saved (`_narrow`: a restore
+        onto the same shape needs no other), or, where that cannot be told
+        or `complete` is asked for, every writer's."""
         if not self.peers.many:
             return self.viable().get(step)
         shared = {n for n, st in self._tiers if st.shared} if own_only else set()
@@ -320,17 +339,15 @@ class Catalog:
             agreed = self._job.steps.get(step)
             partial = {t for t, s in self._partial if s == step and t not in shared}
             if agreed is not None:  # a view read before every writer there committed
+                narrowed = {t for (t, s), sid in self._narrowed.items()
+                            if s == step and sid == agreed.save_id}
                 partial |= {t for t, st in self._tiers if st.shared and t not in shared
-                            and t in agreed.complete_in
+                            and t in agreed.complete_in and t not in narrowed
                             and _writers(self._views.get(t, {}).get(step), agreed)
                             < agreed.count}
+                partial = partial | narrowed if complete else partial - narrowed
         for tier in sorted(partial):  # the other processes' manifests, read now
-            ts = tier_steps.observe_step(self.storages()[tier], tier, self._naming, step)
-            with self._lock:
-                self._partial.discard((tier, step))
-                if ts is not None:
-                    self._views.setdefault(tier, {})[step] = ts
-                self._cache = None
+            self._read_others(tier, step, None if complete else agreed)
         with self._lock:
             agreed = self._job.steps.get(step)
             views = [v[step] for t, v in self._views.items() if step in v and t not in shared]
@@ -338,6 +355,83 @@ class Catalog:
         if agreed is None:
             return None
         return shares.readable(views, self.names, bad, step, agreed.save_id)
+
+    def narrowed(self, step: int, own_only: bool = False) -> bool:
+        """Whether `choice(step, own_only)` holds only the writers this
+        process's devices need of a tier (a restore onto another shape may
+        need more: `choice(..., complete=True)`)."""
+        shared = {n for n, st in self._tiers if st.shared}
+        with self._lock:
+            agreed = self._job.steps.get(step)
+            return agreed is not None and any(
+                s == step and sid == agreed.save_id and not (own_only and t in shared)
+                for (t, s), sid in self._narrowed.items())
+
+    def _read_others(self, tier: str, step: int, agreed: shares.AgreedStep | None) -> None:
+        """Reads other writers' manifests of `step` in `tier` into its view:
+        those `_narrow` picks for the `agreed` save, else every one."""
+        storage = self.storages()[tier]
+        ts = self._narrow(tier, storage, step, agreed) if agreed is not None else None
+        narrow = ts is not None
+        if ts is None:
+            ts = tier_steps.observe_step(storage, tier, self._naming, step)
+        with self._lock:
+            if narrow and agreed is not None:
+                self._narrowed[(tier, step)] = agreed.save_id
+            else:
+                self._partial.discard((tier, step))
+                self._narrowed.pop((tier, step), None)
+            if ts is not None:
+                self._views.setdefault(tier, {})[step] = ts
+            self._cache = None
+
+    def _narrow(self, tier: str, storage: Storage, step: int, agreed: shares.AgreedStep
+                ) -> selection.TierStep | None:
+        """`tier`'s view of `step` with the manifests of the writers that
+        wrote the boxes this process's devices hold under the shardings the
+        `agreed` save was made with (`writers.needed`, from this job's
+        devices) read in beside the ones it holds, when they list every one
+        of those boxes. None where that cannot be told or they do not (no
+        manifest of that save here yet, a save by a job of another shape):
+        the caller reads every manifest."""
+        with self._lock:
+            old = self._views.get(tier, {}).get(step)
+        held = [m for m in (old.manifests if old else ()) if isinstance(m, Manifest)]
+        have = {m.process_index: m for m in held
+                if m.save_id == agreed.save_id and m.process_count == agreed.count}
+        owners = self._owners(agreed.count)
+        if old is None or not have or owners is None:
+            return None
+        wanted = writers.needed(next(iter(have.values())), *owners)
+        if wanted is None:
+            return None
+        labels = sorted(set(wanted) - {m.process_index for m in held})
+        more = tier_steps.observe_step(storage, tier, self._naming, step, labels=labels) \
+            if labels else None
+        got = more.manifests if more is not None else ()
+        have.update({m.process_index: m for m in got if isinstance(m, Manifest)
+                     and m.save_id == agreed.save_id and m.process_count == agreed.count})
+        if not writers.confirmed(wanted, have):
+            return None
+        return selection.TierStep(tier, old.manifests + got,
+                                  {**old.sizes, **(more.sizes if more is not None else {})})
+
+    def _owners(self, count: int) -> tuple[dict[int, int], set[int]] | None:
+        """(device id -> writer label, this process's devices) for a save of
+        `count` writers by this job: labelled by process index when the whole
+        job wrote it, by rank among the live processes after a loss; None for
+        a save by a job of another size."""
+        if self._devices is None:
+            self._devices = {int(d.id): int(d.process_index) for d in jax.devices()}
+        live = self.peers.live
+        if count == self.peers.count:
+            label = {q: q for q in range(count)}
+        elif count == len(live):
+            label = {q: r for r, q in enumerate(live)}
+        else:
+            return None
+        return ({d: label[q] for d, q in self._devices.items() if q in label},
+                {d for d, q in self._devices.items() if q == self.peers.index})
 
     def agree(self, what: str, pending: set[int], errors: Sequence[str],
               extra: dict | None = None, at: Round | None = None) -> JobView:

@@ -1,16 +1,20 @@
 """A tier every process of a job sees (a shared directory, GCS) holds one
 manifest per writer of a step. What one process of a big job does there must
 not grow with the number of writers: a reload reads only its own writers'
-manifests (the first live process reads them all, and reports them), and a
-delete removes only its part of the shares, so the processes together remove
-the whole step. A step of 4 writers is made here from a real one-process save,
-its chunks split among 4 re-signed manifests, as a 4-process save leaves it."""
+manifests (the first live process reads them all, and reports them), a
+restore of the save's shape only those of the writers whose boxes its
+devices hold, and a delete removes only its part of the shares, so the
+processes together remove the whole step. A step of 4 writers is made here
+from a real one-process save, its chunks split among 4 re-signed manifests:
+by the writer of each box's device, as a 4-process save leaves it
+(`by_device`), or by chunk index (`shared`: a layout no prediction guesses)."""
 import dataclasses
 import os
 import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -18,6 +22,8 @@ import resilient_ckpt as rc
 from resilient_ckpt.catalog import tier_steps
 from resilient_ckpt.catalog.catalog import Catalog, JobView
 from resilient_ckpt.core import layout, manifest as mf, shares
+from resilient_ckpt.core.planner import plan_target
+from resilient_ckpt.core.sharding import index_to_box
 from resilient_ckpt.multihost.agree import Peers
 from resilient_ckpt.storage.files import FileStorage
 from resilient_ckpt.storage.wrapper import StorageWrapper
@@ -39,6 +45,39 @@ def _split(m: mf.Manifest, i: int) -> mf.Manifest:
 def shared(tmp_path):
     """A local tier holding steps 1 and 2, each written by 4 writers, with
     their claims; returns its storage."""
+    return _four_writers(tmp_path, _split)
+
+
+# The job the tests' catalogs stand for: 4 processes of 2 devices each
+# (device d on process d // 2), as in a job of 4 hosts.
+DEVICES = {d: d // 2 for d in range(8)}
+
+
+def _by_device(step: int):
+    """The split a 4-process save makes: each box from the process whose
+    device holds its replica 0 (jax's replica ids of the saved arrays)."""
+    first = {}
+    for a in jax.tree.leaves(device_state(step)):
+        if isinstance(a, jax.Array):
+            first[tuple(a.shape)] = {index_to_box(s.index, a.shape): DEVICES[s.device.id]
+                                     for s in a.addressable_shards if s.replica_id == 0}
+
+    def split(m: mf.Manifest, i: int) -> mf.Manifest:
+        items = tuple(dataclasses.replace(it, leaves=tuple(dataclasses.replace(leaf, chunks=tuple(
+            c for c in leaf.chunks if first[leaf.shape][(c.offsets, c.sizes)] == i))
+            for leaf in it.leaves)) for it in m.items)
+        return dataclasses.replace(m, process_index=i, process_count=WRITERS, items=items)
+    return split
+
+
+@pytest.fixture
+def by_device(tmp_path):
+    """The same tier, each step's chunks split among the writers as a save
+    by the job of DEVICES leaves them."""
+    return _four_writers(tmp_path, None)
+
+
+def _four_writers(tmp_path, split) -> FileStorage:
     d = tmp_path / "ckpt"
     with rc.CheckpointManager(str(d), options=rc.CheckpointManagerOptions(
             tiers=[rc.LocalTier(every=1, keep=3)])) as m:
@@ -54,7 +93,7 @@ def shared(tmp_path):
             p.unlink()
         for i in range(WRITERS):
             (d / str(s) / layout.manifest_name(i, WRITERS)).write_bytes(
-                mf.to_json(_split(one, i)))
+                mf.to_json((split or _by_device(s))(one, i)))
             (d / str(s) / layout.claim_name(i, WRITERS)).write_bytes(b"{}")
     st.shared = True
     return st
@@ -114,10 +153,11 @@ def test_each_process_deletes_its_part_and_together_the_whole_step(shared, live)
 
 def _catalog(st: FileStorage, index: int) -> Catalog:
     """A catalog of process `index` of a simulated job of WRITERS processes
-    (the coordination service in-process, `testing.kvservice`)."""
+    (the coordination service in-process, `testing.kvservice`), whose
+    devices are DEVICES."""
     job = KeyValueService(WRITERS)
     peers = Peers(job=(job.client(index), index, WRITERS))
-    return Catalog([("local", st)], layout.StepNaming(), st.root, None, peers)
+    return Catalog([("local", st)], layout.StepNaming(), st.root, None, peers, DEVICES)
 
 
 def _agree_on(cat: Catalog, full: mf.Manifest) -> None:
@@ -135,8 +175,14 @@ def test_a_process_other_than_the_first_reads_its_own_shares_until_it_restores(
     (m,) = cat.view("local")[1].manifests
     _agree_on(cat, m)
     reads.clear()
-    choice = cat.choice(1)  # a restore of step 1 reads the step's other manifests
-    assert choice is not None and len(reads) == WRITERS
+    # A restore of step 1 reads the step's other manifests: the writer its
+    # devices' boxes would come from in a save by this job first (writer 0
+    # for the replicated leaf), which lacks them (this step's chunks were
+    # split otherwise), then every one.
+    choice = cat.choice(1)
+    assert choice is not None and reads == [layout.manifest_name(0, WRITERS)] + [
+        layout.manifest_name(i, WRITERS) for i in range(WRITERS)]
+    assert not cat.narrowed(1)
     assert {c.key for _, _, c in choice.manifest.chunks()} == {
         c.key for i in range(WRITERS)
         for _, _, c in tier_steps.observe_step(shared, "local", layout.StepNaming(), 1,
@@ -243,3 +289,88 @@ def test_the_first_process_checks_each_writers_chunks_once_not_at_every_agreemen
     again = cat.report(set(), [])
     assert (1, 3) not in {(s[0], s[2]) for s in again["shares"]}
     assert (2, 3) in {(s[0], s[2]) for s in again["shares"]}
+
+
+def _holds(choice, q: int) -> bool:
+    """Whether `choice` holds every box process q's devices hold under the
+    saved shardings ("w" split over the 8 devices' rows, "b" on every one)."""
+    leaves = {leaf.shape: leaf for it in choice.manifest.items for leaf in it.leaves}
+    boxes = {(256, 64): [((32 * d, 0), (32, 64)) for d in DEVICES if DEVICES[d] == q],
+             (32,): [((0,), (32,))]}
+    try:
+        for shape, bs in boxes.items():
+            for box in bs:
+                plan_target(box, leaves[shape].chunks, str(shape))
+    except ValueError:
+        return False
+    return True
+
+
+def _every_chunk(st: FileStorage) -> set[str]:
+    ts = tier_steps.observe_step(st, "local", layout.StepNaming(), 1)
+    return {c.key for m in ts.manifests for _, _, c in m.chunks()}
+
+
+@pytest.mark.parametrize("q", [1, 2, 3])
+def test_a_restore_of_the_saves_shape_reads_the_manifests_of_the_writers_it_needs(
+        by_device, monkeypatch, q):
+    """A relaunch of the job that saved: process q reads, beside its own
+    manifest, only writer 0's (the replicated leaf's replica 0 is on device
+    0), not all 4; the choice holds every box its devices hold. A target of
+    another layout asks for every manifest (`complete`)."""
+    reads = _reads(monkeypatch)
+    cat = _catalog(by_device, q)
+    cat.reload()
+    (m,) = cat.view("local")[1].manifests
+    _agree_on(cat, m)
+    reads.clear()
+    choice = cat.choice(1)
+    assert reads == [layout.manifest_name(0, WRITERS)]
+    assert choice is not None and cat.narrowed(1) and _holds(choice, q)
+    assert {x.process_index for x in cat.view("local")[1].manifests} == {0, q}
+    assert not _holds(choice, q % 3 + 1)  # another process's boxes are not there
+    reads.clear()
+    assert cat.choice(1) == choice and reads == []  # read once
+    assert cat.narrowed(1, own_only=True) is False  # the shared tier is not in that choice
+    whole = cat.choice(1, complete=True)
+    assert len(reads) == WRITERS and not cat.narrowed(1)
+    assert whole is not None and {c.key for _, _, c in whole.manifest.chunks()} == \
+        _every_chunk(by_device)
+    cat.reload()
+    assert not cat.narrowed(1)
+
+
+def _rewrite(st: FileStorage, step: int, change) -> None:
+    """Every writer's manifest of `step` with `change(sharding)` applied to
+    its "w" leaf's sharding description, re-signed (a hostile writer)."""
+    for i in range(WRITERS):
+        path = os.path.join(st.root, str(step), layout.manifest_name(i, WRITERS))
+        m = mf.parse(open(path, "rb").read())
+        items = tuple(dataclasses.replace(it, leaves=tuple(
+            dataclasses.replace(leaf, sharding=change(dict(leaf.sharding)))
+            if leaf.shape == (256, 64) else leaf for leaf in it.leaves)) for it in m.items)
+        with open(path, "wb") as f:
+            f.write(mf.to_json(dataclasses.replace(m, items=items)))
+
+
+@pytest.mark.parametrize("change,first", [
+    (lambda s: dict(s, device_ids=[100 + i for i in s["device_ids"]]), []),  # absent devices
+    (lambda s: dict(s, spec=[]), [0]),   # says replicated: writer 0 would hold all of it
+    (lambda s: dict(s, device_ids=s["device_ids"][::-1]), [0]),  # the mesh in another order
+], ids=["absent-devices", "replicated", "reversed"])
+def test_a_sharding_description_that_misleads_falls_back_to_every_manifest(
+        by_device, monkeypatch, change, first):
+    """Records that name devices this job lacks, or that do not say where the
+    chunks are, never fail the choice: it reads every manifest, and holds
+    every chunk (no other chunk stands in for one it needs)."""
+    _rewrite(by_device, 1, change)
+    reads = _reads(monkeypatch)
+    cat = _catalog(by_device, 2)
+    cat.reload()
+    (m,) = cat.view("local")[1].manifests
+    _agree_on(cat, m)
+    reads.clear()
+    choice = cat.choice(1)
+    assert reads == [layout.manifest_name(i, WRITERS) for i in first + list(range(WRITERS))]
+    assert choice is not None and not cat.narrowed(1) and _holds(choice, 2)
+    assert {c.key for _, _, c in choice.manifest.chunks()} == _every_chunk(by_device)
