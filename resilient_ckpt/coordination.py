@@ -3,7 +3,7 @@
 With one process every method here is a thin pass-through. With several,
 each is a collective every process makes at the same point of its program,
 and every branch after it is taken from the same exchanged data:
-- `open`: which file tiers every process sees (one directory for all, so
+- `classify`, `open`: which file tiers every process sees (one directory for all, so
   only process 0 cleans there, each process deletes its part of a step's
   shares, and only the job's shards are
   written there) and which each has its own of (RAM, a local SSD);
@@ -216,11 +216,15 @@ class Coordinator:
 
     # ------------------------------------------------------------ collectives
 
-    def open(self, writable: bool) -> None:
-        """Tells shared tiers from per-host ones, then agrees on what exists."""
+    def classify(self, writable: bool) -> None:
+        """Tells shared tiers from per-host ones (before the catalog first
+        reads them: on a shared tier a process reads only its own shares)."""
+        if self.peers.many and writable:
+            _classify_tiers(self._catalog, self.peers)
+
+    def open(self) -> None:
+        """Agrees on what exists (after the catalog's first reading)."""
         if self.peers.many:
-            if writable:
-                _classify_tiers(self._catalog, self.peers)
             self._agree("open", failures=False)
 
     def refresh(self, what: str) -> None:

@@ -34,11 +34,8 @@ def run(ctx):
     FileStorage.read = read
     out = {"pid": ctx.pid}
     with mh.ours(ctx, ram=False, local_every=1) as m:  # as a relaunched job opens it
-        # Open reads a directory's manifests before it knows the directory
-        # is shared (GCS is known to be from the start): a reload then.
-        reads[:] = []
-        m.reload()
-        out["reload"], reads[:] = sorted(reads), []
+        # The open tells the directory is shared before it reads it.
+        out["open"], reads[:] = sorted(reads), []
         got = m.restore(1, args=ocp.args.StandardRestore(ctx.abstract()))
         out["same"], reads[:] = sorted(reads), []
         out["same_bad"] = ctx.check_exact(got, 1)[:5]
@@ -63,8 +60,8 @@ def test_a_restore_reads_the_manifests_its_devices_need_and_all_for_another_layo
     assert all(r.ok for r in res) and all(g and "reshard" in g for g in got), describe(res)
     for q, g in enumerate(got):
         assert g["same_bad"] == [] and g["reshard_bad"] == [], (q, g)
-        # the first process reads every manifest at a reload (it reports them all)
-        assert g["reload"] == (_names(0, 1, 2, 3) if q == 0 else _names(q)), (q, g)
+        # the first process reads every manifest at the open (it reports them all)
+        assert g["open"] == (_names(0, 1, 2, 3) if q == 0 else _names(q)), (q, g)
         # the same layout: the replicated leaves' replica 0 is on process 0's devices
         assert g["same"] == ([] if q == 0 else _names(0)), (q, g)
         # a (2, 4) mesh, "w" split by rows 4 ways: every other process lacks
