@@ -39,8 +39,10 @@ Part 3, the real job (`--job`, default 2,4,8,16,32 processes; --quick 2,4,8):
 N jax.distributed processes of one CPU device each on a tiny sharded state
 (harness/scale_worker.py): a RAM tier per process and a shared local tier,
 every step due, 10 saves and wait_until_finished; opening a manager; a
-restore of the newest step in a fresh manager. Beside it, the same job with
-Orbax's CheckpointManager on the shared directory (every step, keep 2).
+restore of the newest step in a fresh manager. Beside it, the same job
+with votes forced on (`agreement_vote=True`; by default a job of fewer than
+64 processes agrees through the store), and with Orbax's CheckpointManager
+on the shared directory (every step, keep 2).
 Each phase is the slowest process's time from a barrier to its own end;
 beside it, the longest mean time one save blocked a process, and the CPU
 one save costs a process (every thread, mean over the processes and the
@@ -362,12 +364,16 @@ def real_jobs(a, counts: list[int]) -> dict:
     try:
         for n in counts:
             got = {}
-            for system in ("resilient_ckpt", "orbax"):
+            for system in ("resilient_ckpt", "vote", "orbax"):
                 log.info("a real job of %d processes, %s", n, system)
                 got[system] = job_phases(system, n, a.saves, root)
-                emit({"bench": BENCH, "system": system, "case": "job", "processes": n,
-                      "saves": a.saves, **got[system]})
+                emit({"bench": BENCH, "system": "orbax" if system == "orbax" else
+                      "resilient_ckpt", "case": "job_vote" if system == "vote" else "job",
+                      "processes": n, "saves": a.saves, **got[system]})
             ours, orbax = got["resilient_ckpt"], got["orbax"]
+            # Votes at every size (below AUTO_FROM the job agrees through the store).
+            summary[f"vote_saves_vs_orbax_{n}"] = got["vote"]["saves_s"] / orbax["saves_s"]
+            summary[f"vote_mismatches_{n}"] = got["vote"]["mismatches"]
             summary[f"saves_vs_orbax_{n}"] = ours["saves_s"] / orbax["saves_s"]
             summary[f"save_blocking_vs_orbax_{n}"] = (ours["save_blocking_s"]
                                                       / orbax["save_blocking_s"])

@@ -30,7 +30,8 @@ and every branch after it is taken from the same exchanged data:
   collective above is among them from then on (`agree.Peers.set_live`).
 Exchanged views come in the order of the live processes (`peers.live`).
 
-How a round travels: while every process of the job is live, the rounds of
+How a round travels: in a job that votes (`options.agreement_vote`; by
+default from `vote.AUTO_FROM` processes on), while every process is live, the rounds of
 saves after the first, of `finish` and of reloads and restores are first
 put to the job's vote (`_start_vote`, `_voted`): each process's view as a
 fixed vector (`core.summary`), one all-reduce over the devices
@@ -68,7 +69,7 @@ from .errors import (
 )
 from .multihost import peer_fill
 from .multihost.agree import Peers, Round
-from .multihost.vote import DeviceVote
+from .multihost.vote import AUTO_FROM, DeviceVote
 from .restore.assemble import Hole
 from .restore.loop import restore_alone
 from .save import tierrecord
@@ -80,7 +81,8 @@ log = logging.getLogger("resilient_ckpt")
 class Coordinator:
     """The manager's collective points (see the module docstring)."""
 
-    def __init__(self, catalog: Catalog, saver: Saver, directory: str, vote: bool = True):
+    def __init__(self, catalog: Catalog, saver: Saver, directory: str,
+                 vote: bool | None = None):
         self._catalog, self._saver, self._directory = catalog, saver, directory
         self.peers = catalog.peers
         self._started: set[int] = set()  # steps saved since the last agreement
@@ -92,7 +94,7 @@ class Coordinator:
         self._pool: futures.ThreadPoolExecutor | None = None
         # A save's agreement as one all-reduce on the devices (`_vote`, made at
         # first use), while every process of the job is live; the saves it speaks of.
-        self._voting = vote
+        self._voting = vote if vote is not None else self.peers.count >= AUTO_FROM
         self._vote: DeviceVote | None = None
         self._recent: collections.deque = collections.deque(maxlen=8)  # (step, save id)
         self._cancel = threading.Event()  # set when the round under way is given up

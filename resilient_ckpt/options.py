@@ -42,11 +42,14 @@ class CheckpointManagerOptions:
     (save, restore, reload, wait_until_finished) waits for the slowest peer
     before it raises AgreementError naming it (a restore from a slow tier on
     one host delays the others' by as much).
-    `agreement_vote`: with several processes, a save's agreement is one
-    all-reduce of a small vector over one device per process whenever every
-    process's view fits one (a job running normally), and goes through the
-    jax.distributed key-value store otherwise; False: always the store
-    (docs/multihost.md, "Agreement").
+    `agreement_vote`: with several processes, the agreement of a save (and
+    of `wait_until_finished`, a reload, a restore) is one all-reduce of a
+    small vector over the job's devices whenever every process's view fits
+    one (a job running normally), and goes through the jax.distributed
+    key-value store otherwise. None (the default): votes in a job of 64
+    processes or more, where a round through the store costs its one
+    coordinator more than a vote costs the devices; True: at any size;
+    False: never (docs/multihost.md, "The vote").
     `write_on_owning_hosts`: each host that owns devices writes their shards
     to every tier itself, through colocated Python (colocated.py,
     docs/pathways.md), and only the chunks' sizes and checksums reach the
@@ -95,7 +98,7 @@ class CheckpointManagerOptions:
     restore_memory_budget: int = 256 * 1024 * 1024
     progress: bool = False
     agreement_timeout_s: float = 600.0
-    agreement_vote: bool = True
+    agreement_vote: bool | None = None
     write_on_owning_hosts: bool = False
     save_decision_policy: Any = None
     preservation_policy: Any = None

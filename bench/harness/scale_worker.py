@@ -3,7 +3,9 @@ state `--saves` times (every step due) and wait, then open a fresh manager
 and restore the newest step; each phase's time on this process, from a
 barrier to its own end, and whether the restored state is exact.
 
-    python scale_worker.py (mh's options) --system resilient_ckpt|orbax --saves 10
+    python scale_worker.py (mh's options) --system resilient_ckpt|vote|orbax --saves 10
+
+("vote": resilient_ckpt with `agreement_vote=True`, whatever the job's size.)
 """
 import argparse
 import sys
@@ -13,7 +15,7 @@ import mh
 
 ctx = mh.init(sys.argv)
 p = argparse.ArgumentParser()
-p.add_argument("--system", choices=("resilient_ckpt", "orbax"), required=True)
+p.add_argument("--system", choices=("resilient_ckpt", "vote", "orbax"), required=True)
 p.add_argument("--saves", type=int, default=10)
 o = p.parse_args(ctx.extra)
 
@@ -23,7 +25,7 @@ def main(_ctx):
     import orbax.checkpoint as ocp
 
     import resilient_ckpt  # noqa: F401 - imported before any timing, as Orbax is
-    ours = o.system == "resilient_ckpt"
+    ours = o.system != "orbax"
     state = ctx.initial_state()
     abstract = ctx.abstract()
     out = {}
@@ -36,7 +38,8 @@ def main(_ctx):
         return value
 
     def open_manager():
-        return (mh.ours(ctx, ram_every=1, ram_keep=2, local_every=1, local_keep=2) if ours
+        return (mh.ours(ctx, ram_every=1, ram_keep=2, local_every=1, local_keep=2,
+                        vote=True if o.system == "vote" else None) if ours
                 else mh.orbax(ctx, every=1, keep=2))
     mngr = phase("open_s", open_manager)
     saved = state if ours else mh.orbax_state(state)

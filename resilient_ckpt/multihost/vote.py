@@ -27,6 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..core.ambient import apart
 from ..errors import AgreementError
 
+AUTO_FROM = 64  # processes: from here on a job votes unless told not to (options.py)
+
 
 class DeviceVote:
     """The reduction among the processes `live` (jax indices, ascending)."""

@@ -654,16 +654,17 @@ def bind(ctx):
 
 # ------------------------------------------------------------------ managers
 
-def ours(ctx, ram_every=1, ram_keep=2, local_every=3, local_keep=2, ram=None, local=None):
+def ours(ctx, ram_every=1, ram_keep=2, local_every=3, local_keep=2, ram=None, local=None,
+         vote=None):
     """resilient_ckpt's manager through its public API: this host's RAM tier
-    (ctx.ram) and the shared local tier (ctx.dir)."""
+    (ctx.ram) and the shared local tier (ctx.dir); `vote`: its agreement_vote."""
     import resilient_ckpt as rc
     tiers = []
     if ram is not False and (ram or ctx.ram):
         tiers.append(rc.RamTier(path=ram or ctx.ram, every=ram_every, keep=ram_keep))
     tiers.append(rc.LocalTier(path=local or ctx.dir, every=local_every, keep=local_keep))
-    return rc.CheckpointManager(local or ctx.dir,
-                                options=rc.CheckpointManagerOptions(tiers=tiers))
+    return rc.CheckpointManager(local or ctx.dir, options=rc.CheckpointManagerOptions(
+        tiers=tiers, agreement_vote=vote))
 
 
 

@@ -41,8 +41,8 @@ def run(ctx):
     # Without replicas, each host's RAM holds only the shards it wrote.
     tiers = [rc.RamTier(path=ctx.ram, every=1, keep=2, replicas=False),
              rc.LocalTier(path=ctx.dir)]
-    with rc.CheckpointManager(ctx.dir, item_names=("params",),
-                              options=rc.CheckpointManagerOptions(tiers=tiers)) as m:
+    with rc.CheckpointManager(ctx.dir, item_names=("params",), options=(
+            rc.CheckpointManagerOptions(tiers=tiers, agreement_vote=True))) as m:
         m.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
         m.wait_until_finished()
         abstract = jax.tree.map(

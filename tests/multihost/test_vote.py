@@ -24,6 +24,7 @@ ctx = mh.init(sys.argv)
 def run(ctx):
     import orbax.checkpoint as ocp
     import resilient_ckpt as rc
+    assert rc.CheckpointManagerOptions().agreement_vote is None  # votes from 64 processes
     for vote in (True, False):
         where = os.path.join(ctx.dir, f"vote-{vote}")
         ram = f"{ctx.ram}-{vote}"
@@ -57,7 +58,8 @@ def run(ctx):
     import orbax.checkpoint as ocp
     import resilient_ckpt as rc
     m = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
-        tiers=[rc.LocalTier(path=ctx.dir, every=1, keep=2)], agreement_timeout_s=3))
+        tiers=[rc.LocalTier(path=ctx.dir, every=1, keep=2)], agreement_timeout_s=3,
+        agreement_vote=True))
     state = ctx.initial_state()
     m.save(1, args=ocp.args.StandardSave(state))
     if ctx.pid == 1:  # skips the second save and everything after it
