@@ -30,6 +30,7 @@ p.add_argument("--die-at", type=int)
 p.add_argument("--total", type=int)
 p.add_argument("--stall", default="step", choices=["step", "save"])
 p.add_argument("--axis", default="data")
+p.add_argument("--vote", action="store_true", help="agreement_vote=True")
 opt = p.parse_args(ctx.extra)
 
 import jax, jax.numpy as jnp, numpy as np
@@ -78,7 +79,7 @@ def jax_step(st, s):  # the sum is an all-reduce across every process
 
 mngr = rc.CheckpointManager(ctx.dir, options=rc.CheckpointManagerOptions(
     tiers=[rc.RamTier(path=ctx.ram, every=1, keep=3), rc.LocalTier(path=ctx.dir, every=3, keep=2)],
-    agreement_timeout_s=8))
+    agreement_timeout_s=8, agreement_vote=True if opt.vote else None))
 el = Elastic(mngr, ctx.mesh, rescale_every_s=1e9, data_axis=opt.axis,
              choose_mesh=functools.partial(shrink_data_axis, data_axis=opt.axis, divisor=False),
              retry=RecoveryPolicy(max_attempts=2, max_wait_s=30))
@@ -120,7 +121,8 @@ again = mngr.restore(None, args=ocp.args.StandardRestore(
     {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in final.items()}))
 mh.report({"done": True, "exact": bad, "events": el.events,
            "latest": mngr.latest_step(), "again": mngr.last_restore.step,
-           "again_exact": mismatches(again, mngr.last_restore.step)})
+           "again_exact": mismatches(again, mngr.last_restore.step),
+           "votes": mngr._coord.votes})
 mngr.wait_until_finished()  # every survivor has reported before any exits
 if ctx.pid == 0:
     time.sleep(2)  # the others exit first: without process 0 they would abort
@@ -140,12 +142,18 @@ def _manifests(path: str, step: int) -> list[str]:
 @pytest.mark.parametrize("nprocs,devices,victim,stall", [
     pytest.param(2, 4, 1, "step", id="2proc", marks=pytest.mark.slow),
     pytest.param(4, 2, 2, "step", id="4proc", marks=pytest.mark.slow),
-    pytest.param(4, 2, 1, "save", id="4proc-between-steps", marks=pytest.mark.slow)])
+    pytest.param(4, 2, 1, "save", id="4proc-between-steps", marks=pytest.mark.slow),
+    # the job votes (multihost.vote): the loss lands on a vote under way
+    pytest.param(4, 2, 1, "save+vote", id="4proc-between-steps-voting",
+                 marks=pytest.mark.slow),
+    pytest.param(2, 4, 1, "step+vote", id="2proc-voting", marks=pytest.mark.slow)])
 def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
     die_at, total = 8, 11
+    stall, vote = stall.partition("+")[::2]
     job = start_job(WORKER, nprocs, devices, args=[
         "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", str(victim),
-        "--die-at", str(die_at), "--total", str(total), "--stall", stall],
+        "--die-at", str(die_at), "--total", str(total), "--stall", stall,
+        *(["--vote"] if vote else [])],
         timeout_s=110, env=ENV, fail_fast_s=20)
     job.kill_after(victim, 0.5, after="dying")
     results = job.collect()
@@ -170,6 +178,7 @@ def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
         # Saves after the loss are the survivors': they restore again, exactly.
         assert done["latest"] == total and done["again"] == total, why
         assert done["again_exact"] == [], why
+        assert (done["votes"] >= 5) == bool(vote), why  # saves before the loss voted
     assert all(r.last("done")["events"][0]["lost_devices"] ==
                alive[0].last("done")["events"][0]["lost_devices"] for r in alive)
     # The shared tier: step 6 by the whole job, step 9 by the survivors only.
