@@ -57,8 +57,9 @@ o = p.parse_args(ctx.extra)
 
 def run(ctx):
     import orbax.checkpoint as ocp
-    if o.system == "ours":
-        mngr, wrap = mh.ours(ctx, ram_keep=o.ram_keep, local_every=o.local_every), None
+    if o.system in ("ours", "ours-vote"):
+        mngr, wrap = mh.ours(ctx, ram_keep=o.ram_keep, local_every=o.local_every,
+                             vote=o.system == "ours-vote" or None), None
     else:
         mngr, wrap = mh.orbax(ctx), mh.orbax_state
     state = ctx.initial_state()
@@ -96,8 +97,8 @@ def run(ctx):
     import orbax.checkpoint as ocp
     abstract = ctx.abstract(specs=mh.RESHARD_SPECS if o.target == "reshard" else None)
     out = {"pid": ctx.pid, "target_bytes": ctx.target_bytes(abstract)}
-    if o.system == "ours":
-        mngr = mh.ours(ctx)
+    if o.system in ("ours", "ours-vote"):
+        mngr = mh.ours(ctx, vote=o.system == "ours-vote" or None)
     else:
         mngr = mh.orbax(ctx)
     out["latest"] = latest = mngr.latest_step()
@@ -107,7 +108,7 @@ def run(ctx):
         mh.report(out)
         return
     t = time.perf_counter()
-    if o.system == "ours":
+    if o.system != "orbax":
         state = mngr.restore(None, args=ocp.args.StandardRestore(abstract))
         rec = mngr.last_restore
         out["step"] = rec.step
@@ -318,9 +319,13 @@ def judge(records, trials):
     pytest.param(2, 4, id="2proc-campaign", marks=[
         pytest.mark.slow, pytest.mark.trials("multihost_campaign_trials", 60)]),
     pytest.param(4, 2, id="4proc", marks=[
-        pytest.mark.slow, pytest.mark.trials("multihost_trials_4", 90)])])
-def test_kill_trials_agree_and_exact(hosts, nprocs, devices, trials, seed):
-    records = kill_trials(hosts, trials, nprocs, devices, "ours", seed + nprocs)
+        pytest.mark.slow, pytest.mark.trials("multihost_trials_4", 90)]),
+    # the same kills in a job that votes (multihost.vote) on every save
+    pytest.param(2, 4, id="2proc-voting", marks=[
+        pytest.mark.slow, pytest.mark.trials("multihost_campaign_trials", 60)])])
+def test_kill_trials_agree_and_exact(hosts, nprocs, devices, trials, seed, request):
+    system = "ours-vote" if "voting" in request.node.callspec.id else "ours"
+    records = kill_trials(hosts, trials, nprocs, devices, system, seed + nprocs)
     errors, disagree, inexact, table = judge(records, trials)
     assert len(records) == trials and (errors, disagree, inexact) == (0, 0, 0), (
         f"{errors} errors, {disagree} disagreements, {inexact} inexact/mixed "
