@@ -19,6 +19,7 @@ from resilient_ckpt.catalog import tier_steps
 from resilient_ckpt.catalog.catalog import Catalog, JobView
 from resilient_ckpt.core import layout, manifest as mf, shares
 from resilient_ckpt.multihost.agree import Peers
+from resilient_ckpt.save import packing
 from resilient_ckpt.storage.files import FileStorage
 from resilient_ckpt.storage.wrapper import StorageWrapper
 from resilient_ckpt.testing.kvservice import KeyValueService
@@ -36,9 +37,12 @@ def _split(m: mf.Manifest, i: int) -> mf.Manifest:
 
 
 @pytest.fixture
-def shared(tmp_path):
+def shared(tmp_path, monkeypatch):
     """A local tier holding steps 1 and 2, each written by 4 writers, with
-    their claims; returns its storage."""
+    their claims; returns its storage. The one save is split among the
+    writers chunk by chunk, so each chunk is written as its own object (no
+    packs: a pack would be shared by the writers)."""
+    monkeypatch.setattr(packing, "PACK_BYTES", 1)
     d = tmp_path / "ckpt"
     with rc.CheckpointManager(str(d), options=rc.CheckpointManagerOptions(
             tiers=[rc.LocalTier(every=1, keep=3)])) as m:
