@@ -232,12 +232,12 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
             log.warning("commit of step %d to the %s tier (%s/%s) failed with its "
                         "outcome unknown; its chunks are left in place", step, tier,
                         storage.url, d)
-            storage.end_write(d)
+            _end_quietly(storage, d)
             raise
         # Known not committed (a chunk failed, another writer won, or the
         # manifest's write failed before its link, as on a full disk).
         _remove(storage, d, keys)
-        storage.end_write(d)
+        _end_quietly(storage, d)
         try:
             storage.remove_empty_dir(d)
         except OSError:
@@ -251,6 +251,16 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
     phases = {"chunks": t1 - t0, "flush": t2 - t1, "manifest": t3 - t2, "observe": t4 - t3}
     return TierWrite(tier, step, True, t4 - t0, m.nbytes, source=source,
                      stored_bytes=sum(r.stored_nbytes for r in stored.values()), phases=phases)
+
+
+def _end_quietly(storage: Storage, d: str) -> None:
+    """`end_write` after a failure: its own failure (the disk that failed the
+    save, remounted read-only) is logged, so the save's error is the one raised."""
+    try:
+        storage.end_write(d)
+    except OSError as e:
+        log.warning("could not end the failed save in %s/%s (%s); cleanup removes its "
+                    "marker", storage.url, d, e)
 
 
 def _remove(storage: Storage, d: str, keys: list[str]) -> None:

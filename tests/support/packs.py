@@ -27,3 +27,32 @@ def overwrite(step_dir: str, key: str, at: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(start + at)
         f.write(data)
+
+
+def flip(step_dir: str, key: str, at: int = 0) -> None:
+    """Flips the bits of chunk `key`'s byte `at` (its size stays: only a
+    checksum can tell)."""
+    path, start, _ = places(step_dir)[key]
+    with open(path, "r+b") as f:
+        f.seek(start + at)
+        b = f.read(1)
+        f.seek(start + at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def cut(step_dir: str, key: str) -> str:
+    """Truncates the file holding chunk `key` where the chunk starts: that chunk
+    and those after it in its pack are missing; returns the file's name."""
+    path, start, _ = places(step_dir)[key]
+    os.truncate(path, start)
+    return os.path.basename(path)
+
+
+def pack_of(step_dir: str, key: str) -> str:
+    return os.path.basename(places(step_dir)[key][0])
+
+
+def at_start(step_dir: str, name: str) -> str:
+    """The chunk that starts file `name` (a pack, or a chunk of its own)."""
+    return next(k for k, (p, at, _) in places(step_dir).items()
+                if os.path.basename(p) == name and at == 0)
