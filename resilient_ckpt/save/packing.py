@@ -8,7 +8,9 @@ packed bytes when they are fewer: a small step still writes a few packs side
 by side), so every pack but the last holds at least its target and a
 process's step is at most 6 packs plus one per PACK_BYTES, with its manifest
 and claim at most 8 objects plus one per PACK_BYTES. A chunk of PACK_BYTES or
-more is its own object, as in format 2. Every chunk in a pack starts on
+more is its own object, as in format 2. (Bytes here count each packed chunk
+in whole pages: a step of very many chunks smaller than a page takes more.)
+Every chunk in a pack starts on
 `manifest.PACK_ALIGN`, so a range of it can be mapped (the RAM tier's
 zero-copy restore) and written with O_DIRECT.
 
@@ -43,7 +45,7 @@ def align(n: int) -> int:
 def plan(nbytes: Sequence[int]) -> list[list[int]]:
     """Chunk indices (in order) grouped into packs; a group of one chunk of
     PACK_BYTES or more is that chunk unpacked (`packed` says which)."""
-    small = sum(n for n in nbytes if n < PACK_BYTES)
+    small = sum(align(n) for n in nbytes if n < PACK_BYTES)  # a chunk takes whole pages
     target = max(1, min(PACK_BYTES, -(-small // SHARE)))
     groups: list[list[int]] = []
     run: list[int] = []
