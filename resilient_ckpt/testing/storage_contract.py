@@ -85,7 +85,7 @@ class _ObjectContract:
 
     def test_put_parts_lays_each_part_at_its_offset_with_zeros_between(self, storage):
         """A pack of chunks (format 3): parts at page offsets, across pieces."""
-        a, b = payload(5000, 1), payload(self.stream_size(storage) // 2, 2)
+        a, b = payload(5000, 1), payload(self.stream_bytes(storage) // 2, 2)
         at_b = -(-a.nbytes // 4096) * 4096 + 4096
         storage.put_parts("1/p", [(0, a.data), (at_b, b.data)], at_b + b.nbytes)
         assert storage.size("1/p") == at_b + b.nbytes
