@@ -4,15 +4,15 @@ and writing one pack.
 A tier then holds a few objects per process and step rather than one per
 chunk (an object store limits and bills requests per object). In order, a
 pack takes chunks until it holds its target (PACK_BYTES, or a fifth of the
-packed bytes when they are fewer: a small step still writes a few packs side
-by side), so every pack but the last holds at least its target and a
-process's step is at most 6 packs plus one per PACK_BYTES, with its manifest
-and claim at most 8 objects plus one per PACK_BYTES. A chunk of PACK_BYTES or
-more is its own object, as in format 2. (Bytes here count each packed chunk
-in whole pages: a step of very many chunks smaller than a page takes more.)
-Every chunk in a pack starts on
-`manifest.PACK_ALIGN`, so a range of it can be mapped (the RAM tier's
-zero-copy restore) and written with O_DIRECT.
+packed bytes when they are fewer, but at least MIN_TARGET: a small step
+still writes a few packs side by side, a tiny one a single pack), so every
+pack but the last holds at least its target and a process's step is at most
+6 packs plus one per PACK_BYTES; with its manifest and claim, at most 8
+objects plus one per PACK_BYTES. A chunk of PACK_BYTES or more is its own
+object, as in format 2. (Bytes here count each packed chunk in whole pages:
+a step of very many chunks smaller than a page takes more.) Every chunk in a
+pack starts on `manifest.PACK_ALIGN`, so a range of it can be mapped (the
+RAM tier's zero-copy restore) and written with O_DIRECT.
 
 A raw pack from host memory is written with `Storage.put_parts` (in place,
 without a copy, on a file tier). Otherwise (a copy from another tier, a zstd
@@ -35,7 +35,8 @@ from ..storage.base import Storage
 from . import transfer
 
 PACK_BYTES = 256 << 20
-SHARE = 5  # a small step's packed bytes go in about this many packs
+SHARE = 5  # a small step's packed bytes go in about this many packs,
+MIN_TARGET = 4 << 20  # ... each of at least this many bytes (a tiny step: one pack)
 
 
 def align(n: int) -> int:
@@ -46,7 +47,7 @@ def plan(nbytes: Sequence[int]) -> list[list[int]]:
     """Chunk indices (in order) grouped into packs; a group of one chunk of
     PACK_BYTES or more is that chunk unpacked (`packed` says which)."""
     small = sum(align(n) for n in nbytes if n < PACK_BYTES)  # a chunk takes whole pages
-    target = max(1, min(PACK_BYTES, -(-small // SHARE)))
+    target = max(1, min(PACK_BYTES, max(MIN_TARGET, -(-small // SHARE))))
     groups: list[list[int]] = []
     run: list[int] = []
     size = 0
