@@ -289,6 +289,13 @@ class Catalog:
         with self._lock:
             return selection.viable(self._observations(), self.names)
 
+    def why_not(self, step: int) -> str | None:
+        """Why `step` is not viable here, in words (None: it is), naming the
+        chunk (and its pack) or manifest at fault."""
+        with self._lock:
+            return selection.why_not(step, self._observations().get(step, []), self.names,
+                                     frozenset(self._bad))
+
     def view(self, tier: str) -> dict[int, selection.TierStep]:
         with self._lock:
             return dict(self._views.get(tier, {}))

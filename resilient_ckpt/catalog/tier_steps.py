@@ -1,7 +1,8 @@
 """What a tier holds of each step, as read from storage: manifests listed and
 parsed (each damaged copy kept with its reason, never raised), chunk sizes
-asked only of the chunks manifests name (or taken from the manifests where
-asking costs requests), and the deletion of a step, manifests first.
+asked only of the objects manifests name (a chunk in a pack has the part of
+its range the pack covers), or taken from the manifests where asking costs
+requests, and the deletion of a step, manifests first.
 """
 from __future__ import annotations
 
@@ -128,16 +129,19 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
     manifests = read_manifests(storage, d, names, known)
     if not manifests:
         return None
-    # Else only manifests were listed: each chunk is asked for.
+    # Else only manifests were listed: each object (pack or chunk) is asked for.
     present = set(names) if known is None and labels is None else None
     sizes: dict[str, int | None] = {}
+    objects: dict[str, int | None] = {}
     for m in manifests:
         if m is known:
             sizes.update(_recorded_sizes(known))
         elif isinstance(m, mf.Manifest):
             for _, _, c in m.chunks():
-                sizes[c.key] = (_size(storage, d, c.key) if present is None or c.key in present
-                                else None)
+                if c.object not in objects:
+                    objects[c.object] = (_size(storage, d, c.object)
+                                         if present is None or c.object in present else None)
+                sizes[c.key] = c.observed(objects[c.object])
     return TierStep(tier, manifests, sizes)
 
 
@@ -217,7 +221,7 @@ def delete_step(storage: Storage, naming: layout.StepNaming, step: int,
     storage.flush(d)
     for x, m in zip(names, doomed, strict=True):
         if isinstance(m, mf.Manifest):  # else its chunks are left to `cleanup`
-            _delete_all(storage, [f"{d}/{c.key}" for _, _, c in m.chunks()])
+            _delete_all(storage, [f"{d}/{o}" for o in m.objects()])
         storage.delete(f"{d}/{layout.claim_name(*(layout.parse_manifest_name(x) or (0, 1)))}")
     storage.remove_empty_dir(d)
 

@@ -328,12 +328,15 @@ def verify_chunk(st: Storage, d: str, c: ChunkRecord) -> str | None:
     """None when the copy of `c` in step directory `d` of `st` reads back whole
     and matches its checksum; else what is wrong with it."""
     try:
-        size = st.size(f"{d}/{c.key}")
+        size = c.observed(st.size(f"{d}/{c.object}"))
         if size is None:
-            return "missing"
+            return "missing" + (f" (its pack {c.pack})" if c.pack else "")
         if size != c.stored_nbytes:
-            return f"is {size} bytes, its manifest says {c.stored_nbytes}"
-        data = st.read(f"{d}/{c.key}", max_bytes=c.stored_nbytes)
+            return (f"is {size} bytes" + (f" in its pack {c.pack}" if c.pack else "")
+                    + f", its manifest says {c.stored_nbytes}")
+        buf = bytearray(c.stored_nbytes)
+        st.read_into(f"{d}/{c.object}", memoryview(buf), c.pack_offset)
+        data = bytes(buf)
         raw = data if c.codec == "raw" else \
             codec.decode(c.codec, np.frombuffer(data, np.uint8), c.nbytes).tobytes()
     except (OSError, CorruptCheckpointError) as e:

@@ -2,7 +2,8 @@
 
 Pure string functions, shared by every storage backend. A tier's root holds
 one directory (or prefix) per step, named as Orbax names them (`<step>`, or
-`<prefix>_<step>`, optionally zero-padded); inside it, one object per chunk and
+`<prefix>_<step>`, optionally zero-padded); inside it, packs of chunks (or one
+object per chunk, in format 2 and for chunks as large as a pack) and
 one manifest per writing process, `manifest.<i>-of-<n>.json`, the commit record.
 Temporaries and in-progress markers carry the writer's host, pid and process
 start time, so a cleaner can tell a dead writer's leftovers from a live save.
@@ -25,6 +26,7 @@ import socket
 import uuid
 
 from ..errors import CorruptCheckpointError
+from ..native import crc32c
 from .strictjson import MAX_INT, short
 
 MAX_STEP = MAX_INT  # a manifest's step field is bounded so
@@ -34,7 +36,7 @@ WRITER_LOCK = ".rc-writer.lock"  # in a file tier's root: flocked by the live wr
 _CLAIM_RE = re.compile(r"^claim\.(\d+)-of-(\d+)\.json$")
 _MANIFEST_RE = re.compile(r"^manifest\.(\d+)-of-(\d+)\.json$")
 _TMP_RE = re.compile(r"\.tmp\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)\.[0-9a-f]+$")
-_CHUNK_RE = re.compile(r"^[0-9a-f]{8}\.c\d+\.\d+\.(s|\d+(_\d+)*)$")
+_CHUNK_RE = re.compile(r"^[0-9a-f]{8}\.(c\d+\.\d+\.(s|\d+(_\d+)*)|p\d+\.[0-9a-f]{8})$")
 _MARKER_RE = re.compile(r"^\.writing\.(?P<host>[^.]+)\.(?P<pid>\d+)\.(?P<start>\d+)$")
 
 
@@ -144,8 +146,17 @@ def chunk_key(item_index: int, leaf_index: int, offsets: tuple[int, ...]) -> str
     return f"c{item_index}.{leaf_index}." + ("_".join(map(str, offsets)) or "s")
 
 
+def pack_name(save_id: str, process_index: int, keys: list[str]) -> str:
+    """The name of the pack holding the chunks `keys` (in order) of one
+    process's save: `<save>.p<process>.<crc32c of the keys, 8 hex>`. A name
+    says what is in the pack, so a resumed write of the same save never
+    replaces a committed pack with other contents."""
+    return f"{save_id[:8]}.p{process_index}.{crc32c.value(chr(10).join(keys).encode()):08x}"
+
+
 def is_chunk_name(name: str) -> bool:
-    """True for an object name this package writes for chunks (save-id prefixed)."""
+    """True for an object name this package writes for chunks or packs of
+    chunks (save-id prefixed)."""
     return bool(_CHUNK_RE.match(name))
 
 

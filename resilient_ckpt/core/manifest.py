@@ -21,12 +21,18 @@ from typing import Any, cast
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..native import crc32c
+from . import layout
 from .codec import CODECS  # the one list of codec names
 from .strictjson import MAX_INT, Reader, short
 
 FORMAT_NAME = "resilient_ckpt"
 MAX_CREATED = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a date can hold
-FORMAT_VERSION = 2  # 2: a trailing manifest_crc32c; version 1 (none) is still read
+# 2: a trailing manifest_crc32c; 3: chunks in packs (`pack`, `pack_offset`).
+# Versions 1 and 2 are still read.
+FORMAT_VERSION = 3
+# A chunk in a pack starts on this boundary, so a range of the pack can be
+# mapped (mmap wants a page-aligned file offset).
+PACK_ALIGN = 4096
 LEAF_KINDS = ("array", "prng_key", "numpy", "numpy_scalar", "scalar", "none")
 ARRAY_KINDS = ("array", "prng_key", "numpy", "numpy_scalar")  # leaves with chunks
 ITEM_KINDS = ("pytree", "json")
@@ -95,6 +101,23 @@ class ChunkRecord:
     codec: str = "raw"
     block_bytes: int = 0  # > 0: the bytes are also checksummed in blocks of this size
     block_crc32c: tuple[int, ...] = ()  # per block, over the uncompressed bytes
+    pack: str | None = None  # the pack object holding it; None: its own object `key`
+    pack_offset: int = 0  # where its stored bytes start in `pack`
+
+    @property
+    def object(self) -> str:
+        """The name, inside the step's directory, of the object holding the
+        chunk's stored bytes (from `pack_offset` on): the one place that says
+        where a chunk lives."""
+        return self.pack or self.key
+
+    def observed(self, size: int | None) -> int | None:
+        """The chunk's stored size as a tier holds it, given the size of the
+        object holding it (None: absent): its own object's size, or, in a
+        pack, `stored_nbytes` where the pack covers it, else the part it does."""
+        if size is None or self.pack is None:
+            return size
+        return min(self.stored_nbytes, max(0, size - self.pack_offset))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +150,7 @@ class Manifest:
     items: tuple[ItemRecord, ...]
     metrics: Any = None
     custom_metadata: Any = None
-    # Copies of one save in formats 1 and 2 are the same records.
+    # Copies of one save in formats 1 to 3 are the same records.
     version: int = dataclasses.field(default=FORMAT_VERSION, compare=False)
 
     def item(self, name: str) -> ItemRecord:
@@ -146,6 +169,11 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for _, _, c in self.chunks())
+
+    def objects(self) -> list[str]:
+        """The objects its chunks live in (packs and unpacked chunks), each once,
+        in order: what deleting this process's share of a step removes."""
+        return list(dict.fromkeys(c.object for _, _, c in self.chunks()))
 
 
 def path_str(path: tuple[PathEntry, ...]) -> str:
@@ -190,7 +218,7 @@ def _chunk_to_json(c: ChunkRecord) -> dict:
     return {"offsets": c.offsets, "sizes": c.sizes, "key": c.key,
             "nbytes": c.nbytes, "stored_nbytes": c.stored_nbytes,
             "crc32c": c.crc32c, "codec": c.codec, "block_bytes": c.block_bytes,
-            "block_crc32c": c.block_crc32c}
+            "block_crc32c": c.block_crc32c, "pack": c.pack, "pack_offset": c.pack_offset}
 
 
 def _leaf_to_json(leaf: LeafRecord) -> dict:
@@ -245,11 +273,16 @@ def _check_writable(m: Manifest) -> None:
 
 # ---------------------------------------------------------------- parsing
 
+_CHUNK_FIELDS = {"offsets", "sizes", "key", "nbytes", "stored_nbytes", "crc32c", "codec",
+                 "block_bytes", "block_crc32c"}
+_PACK_FIELDS = {"pack", "pack_offset"}  # version 3 on
+
+
 def _parse_chunk(r: Reader, d: Any, shape: tuple[int, ...], itemsize: int,
-                 ctx: str) -> ChunkRecord:
-    d = r.obj(d, ctx, {"offsets", "sizes", "key", "nbytes", "stored_nbytes",
-                       "crc32c", "codec", "block_bytes", "block_crc32c"})
+                 ctx: str, packed: bool) -> ChunkRecord:
+    d = r.obj(d, ctx, _CHUNK_FIELDS | _PACK_FIELDS if packed else _CHUNK_FIELDS)
     ndim = len(shape)
+    pack = None if not packed or d["pack"] is None else r.str_(d["pack"], ctx + ".pack")
     c = ChunkRecord(r.ints(d["offsets"], ctx + ".offsets", MAX_RANK),
                     r.ints(d["sizes"], ctx + ".sizes", MAX_RANK),
                     r.str_(d["key"], ctx + ".key"),
@@ -258,7 +291,8 @@ def _parse_chunk(r: Reader, d: Any, shape: tuple[int, ...], itemsize: int,
                     r.int_(d["crc32c"], ctx + ".crc32c", hi=2**32 - 1),
                     r.str_(d["codec"], ctx + ".codec", CODECS),
                     r.int_(d["block_bytes"], ctx + ".block_bytes"),
-                    r.ints(d["block_crc32c"], ctx + ".block_crc32c", hi=2**32 - 1))
+                    r.ints(d["block_crc32c"], ctx + ".block_crc32c", hi=2**32 - 1),
+                    pack, r.int_(d["pack_offset"], ctx + ".pack_offset") if packed else 0)
     if len(c.offsets) != ndim or len(c.sizes) != ndim:
         raise r.fail(f"{ctx} has offsets/sizes of rank {len(c.offsets)}/{len(c.sizes)}, "
                      f"its leaf rank {ndim}")
@@ -345,7 +379,7 @@ def _parse_sharding(r: Reader, s: Any, ndim: int, ctx: str) -> dict:
     return s
 
 
-def _parse_leaf(r: Reader, d: Any, ctx: str) -> LeafRecord:
+def _parse_leaf(r: Reader, d: Any, ctx: str, packed: bool) -> LeafRecord:
     d = r.obj(d, ctx, {"path", "kind", "shape", "dtype", "sharding", "key_impl",
                        "value", "chunks"})
     kind = r.str_(d["kind"], ctx + ".kind", LEAF_KINDS)
@@ -391,11 +425,11 @@ def _parse_leaf(r: Reader, d: Any, ctx: str) -> LeafRecord:
     if chunks and not array_like:
         raise r.fail(f"{ctx}: a {kind} leaf cannot have chunks")
     return LeafRecord(path, kind, shape, d["dtype"], sharding, d["key_impl"], d["value"],
-                      tuple(_parse_chunk(r, c, shape, itemsize, f"{ctx}.chunks[{i}]")
+                      tuple(_parse_chunk(r, c, shape, itemsize, f"{ctx}.chunks[{i}]", packed)
                             for i, c in enumerate(chunks)))
 
 
-def _parse_item(r: Reader, it: Any, ctx: str) -> ItemRecord:
+def _parse_item(r: Reader, it: Any, ctx: str, packed: bool) -> ItemRecord:
     it = r.obj(it, ctx, {"name", "kind", "leaves", "value"})
     name = r.str_(it["name"], ctx + ".name")
     kind = r.str_(it["kind"], ctx + ".kind", ITEM_KINDS)
@@ -405,7 +439,8 @@ def _parse_item(r: Reader, it: Any, ctx: str) -> ItemRecord:
             raise r.fail(f"{ctx}.leaves must be empty for a json item")
         return ItemRecord(name, kind, (), r.shallow(it["value"], ctx + ".value"))
     r.null(it["value"], ctx + ".value", "for a pytree item")
-    leaves = tuple(_parse_leaf(r, lf, f"{ctx}.leaves[{j}]") for j, lf in enumerate(raw))
+    leaves = tuple(_parse_leaf(r, lf, f"{ctx}.leaves[{j}]", packed)
+                   for j, lf in enumerate(raw))
     seen: dict[tuple, int] = {}
     for j, lf in enumerate(leaves):
         if lf.path in seen:
@@ -413,6 +448,35 @@ def _parse_item(r: Reader, it: Any, ctx: str) -> ItemRecord:
                          f"of {ctx}.leaves[{seen[lf.path]}]")
         seen[lf.path] = j
     return ItemRecord(name, kind, leaves)
+
+
+def _check_packs(r: Reader, step: int, chunks: list[ChunkRecord]) -> None:
+    """The rules of a version-3 manifest's packs (format.md, section 15): a pack
+    is one path component that is no unpacked chunk's name; a packed chunk
+    starts on PACK_ALIGN and ends within MAX_INT; no two overlap in one pack;
+    an unpacked chunk has offset 0."""
+    unpacked = {c.key for c in chunks if c.pack is None}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for c in chunks:
+        what = f"step {step}: chunk {short(c.key)}"
+        if c.pack is None:
+            if c.pack_offset:
+                raise r.fail(f"{what} is in no pack but has pack_offset {c.pack_offset}")
+            continue
+        what += f" in pack {short(c.pack)}"
+        if not layout.is_name(c.pack) or c.pack in unpacked:
+            raise r.fail(f"{what}: the pack's name is not one path component, or is "
+                         "an unpacked chunk's; it was not used as a path")
+        if c.pack_offset % PACK_ALIGN or c.pack_offset + c.stored_nbytes > MAX_INT:
+            raise r.fail(f"{what}: pack_offset {c.pack_offset} is not a multiple of "
+                         f"{PACK_ALIGN}, or the chunk would end past {MAX_INT}")
+        spans.setdefault(c.pack, []).append((c.pack_offset, c.stored_nbytes, c.key))
+    for pack, got in spans.items():
+        got.sort()
+        for (a, n, k), (b, _, k2) in zip(got, got[1:], strict=False):
+            if a + n > b:
+                raise r.fail(f"step {step}: chunks {short(k)} and {short(k2)} overlap in "
+                             f"pack {short(pack)} (bytes {a}+{n} and {b}+)")
 
 
 def _verify(r: Reader, data: bytes) -> bool:
@@ -465,15 +529,18 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
     if type(created) is not float or not 0 <= created <= MAX_CREATED:
         raise r.fail(f"created must be a finite number in [0, {MAX_CREATED:.0f}] (a Unix "
                      f"time up to the year 9999), got {short(created)}")
-    items = [_parse_item(r, it, f"items[{i}]") for i, it in enumerate(r.list_(d["items"],
-                                                                                "items"))]
+    step = r.int_(d["step"], "step")
+    items = [_parse_item(r, it, f"items[{i}]", d["version"] >= 3)
+             for i, it in enumerate(r.list_(d["items"], "items"))]
     names = [it.name for it in items]
     if len(set(names)) != len(names):
         raise r.fail(f"items repeat a name: {sorted(names)}")
-    keys = [c.key for it in items for lf in it.leaves for c in lf.chunks]
+    chunks = [c for it in items for lf in it.leaves for c in lf.chunks]
+    keys = [c.key for c in chunks]
     if len(set(keys)) != len(keys):
         raise r.fail("two chunks share one object key")
-    return Manifest(r.int_(d["step"], "step"), r.str_(d["save_id"], "save_id"),
+    _check_packs(r, step, chunks)
+    return Manifest(step, r.str_(d["save_id"], "save_id"),
                     created, index, count, tuple(items),
                     r.shallow(d["metrics"], "metrics"),
                     r.shallow(d["custom_metadata"], "custom_metadata"), d["version"])

@@ -188,7 +188,9 @@ def why_not(step: int, views: Sequence[TierStep], tier_order: Sequence[str],
         for _, _, c in m.chunks():
             holders = [ts for ts, x in save if x == m]
             if not any(has_copy(ts.sizes, ts.tier, c, bad) for ts in holders):
-                return f"save {sid[:8]}: chunk {c.key} " + _chunk_problem(holders, c, bad)
+                return (f"save {sid[:8]}: chunk {c.key}"
+                        + (f" (in pack {c.pack})" if c.pack else "") + " "
+                        + _chunk_problem(holders, c, bad))
     return (f"save {sid[:8]}: its chunks do not tile every array, or its processes' "
             "records disagree")
 

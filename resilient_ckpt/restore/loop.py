@@ -86,7 +86,8 @@ def _choose(catalog: Catalog, step: int | None, directory: Any) -> Choice:
             raise CorruptCheckpointError(
                 f"step {step} in {directory} failed checksum verification "
                 f"in every tier; restore an older step (viable: {sorted(choices)})")
+        why = catalog.why_not(step)
         raise StepNotFoundError(
-            f"step {step} has no viable copy in any tier of {directory}; "
-            f"viable steps: {sorted(choices)}")
+            f"step {step} has no viable copy in any tier of {directory}"
+            + (f" ({why})" if why else "") + f"; viable steps: {sorted(choices)}")
     return choices[step]

@@ -37,8 +37,8 @@ class _Counting(StorageWrapper):
         self._tick(len(data))
         return data
 
-    def map(self, key, nbytes):
-        m = self.inner.map(key, nbytes)
+    def map(self, key, nbytes, offset=0):
+        m = self.inner.map(key, nbytes, offset)
         if m is not None:
             self._tick(nbytes)
         return m

@@ -101,8 +101,13 @@ class ChunkReader:
             self._staging = host_buffer(min(max(nbytes, 1 << 20), max(self.budget, nbytes)))
         return self._staging[:nbytes]
 
+    def _key(self, c: ChunkRecord) -> str:
+        """The object holding `c`'s stored bytes (from `c.pack_offset` on)."""
+        return f"{self.dir}/{c.object}"
+
     def _from_tiers(self, c: ChunkRecord, where: str, read):
-        """Runs read(storage, key) against each copy until one verifies."""
+        """Runs read(storage, key, offset) against each copy until one
+        verifies: the object holding the chunk and where in it the chunk starts."""
         tried = []
         for tier in self.choice.sources.get(c.key, ()):
             if (tier, c.key) in self.bad:  # failed before (a mapped run's check, ...)
@@ -110,7 +115,7 @@ class ChunkReader:
                 continue
             st = self.storages[tier]
             try:
-                out, nread = read(st, f"{self.dir}/{c.key}")
+                out, nread = read(st, self._key(c), c.pack_offset)
             except (CorruptCheckpointError, StorageError) as e:
                 tried.append(f"{tier}: {e}")
                 self._failed(tier, c.key, f"step {self.choice.step}, {where}: chunk {c.key} "
@@ -181,15 +186,16 @@ class ChunkReader:
         """Why the copy of `c` on `st` is not what its manifest claims (None: it is):
         its size, asked where it came from the manifest; for a zstd chunk, the
         decoded size its frame header records (read: a few bytes)."""
-        key = f"{self.dir}/{c.key}"
+        key = self._key(c)
         try:
             if c.stored_nbytes >= VOUCH_MIN_BYTES and st.sizes_from_manifest:
-                size = st.size(key)
+                size = c.observed(st.size(key))
                 if size != c.stored_nbytes:
-                    return f"{st.url}/{key} is {size} bytes, its manifest claims {c.stored_nbytes}"
+                    return (f"{st.url}/{key} holds {size} bytes of it, its manifest claims "
+                            f"{c.stored_nbytes}")
             if c.codec == "zstd" and c.nbytes >= VOUCH_MIN_BYTES:
                 head = bytearray(min(codec.FRAME_HEADER_MAX, c.stored_nbytes))
-                st.read_into(key, memoryview(head))
+                st.read_into(key, memoryview(head), c.pack_offset)
                 size = codec.frame_content_size(bytes(head))
                 if size != c.nbytes:
                     return (f"the zstd frame of {st.url}/{key} decodes to "
@@ -204,16 +210,16 @@ class ChunkReader:
         """The chunk's verified, uncompressed bytes in `out` (c.nbytes, uint8)
         or a buffer of its own (or, with zero_copy, a copy-on-write mapping of
         a RAM-tier object)."""
-        def read(st: Storage, key: str):
+        def read(st: Storage, key: str, at: int):
             raw = c.codec == "raw"
-            buf = st.map(key, c.stored_nbytes) if zero_copy and raw else None
+            buf = st.map(key, c.stored_nbytes, at) if zero_copy and raw else None
             if buf is None and raw:
                 buf = out if out is not None else host_buffer(c.stored_nbytes)
-                st.read_into(key, buf.data)
+                st.read_into(key, buf.data, at)
             elif not raw:
                 packed = self.packed.take(c.stored_nbytes)
                 try:
-                    st.read_into(key, packed[:c.stored_nbytes].data)
+                    st.read_into(key, packed[:c.stored_nbytes].data, at)
                     buf = codec.decode(c.codec, packed[:c.stored_nbytes], c.nbytes,
                                        out if out is not None else host_buffer(c.nbytes))
                 finally:
@@ -263,12 +269,12 @@ class ChunkReader:
         ends = sorted({a // rpb, (b - 1) // rpb} - set(inner))
         flat = dst.reshape(-1).view(np.uint8)
 
-        def read(st: Storage, key: str):
+        def read(st: Storage, key: str, at: int):
             nread = 0
             if len(inner):
                 r_lo, r_hi = inner.start * rpb, min(inner.stop * rpb, n)
                 seg = flat[(r_lo - a) * row:(r_hi - a) * row]
-                st.read_into(key, seg.data, offset=r_lo * row)
+                st.read_into(key, seg.data, offset=at + r_lo * row)
                 nread += len(seg)
                 bad = crc32c.bad_block(seg, bb, c.block_crc32c[inner.start:inner.stop])
                 if bad is not None:
@@ -277,7 +283,7 @@ class ChunkReader:
             for blk in ends:
                 start, stop = blk * bb, min((blk + 1) * bb, c.nbytes)
                 stage = np.empty(stop - start, np.uint8)
-                st.read_into(key, stage.data, offset=start)
+                st.read_into(key, stage.data, offset=at + start)
                 nread += len(stage)
                 if crc32c.value(stage) != c.block_crc32c[blk]:
                     raise CorruptCheckpointError(
@@ -295,8 +301,8 @@ class ChunkReader:
         spans = blocks_for_rows(c, [(src[0].start, src[0].stop) for src, _ in parts])
         step_blocks = max(1, self.budget // c.block_bytes)
 
-        def read(st: Storage, key: str):
-            mapped = st.map(key, c.nbytes)
+        def read(st: Storage, key: str, at: int):
+            mapped = st.map(key, c.nbytes, at)
             nread = 0
             for b0, b1 in spans:
                 for lo in range(b0, b1, step_blocks):
@@ -306,7 +312,7 @@ class ChunkReader:
                         seg = mapped[start:stop]
                     else:
                         seg = self._stage(stop - start)
-                        st.read_into(key, seg.data, offset=start)
+                        st.read_into(key, seg.data, offset=at + start)
                     nread += stop - start
                     bad = crc32c.bad_block(seg, c.block_bytes, c.block_crc32c[lo:hi])
                     if bad is not None:
@@ -386,8 +392,8 @@ class ChunkReader:
             return st.zero_copy
         known = self._resident.get((tier, c.key))  # asked once a chunk: boxes share chunks
         if known is None:
-            known = self._resident[(tier, c.key)] = st.resident(f"{self.dir}/{c.key}",
-                                                                 c.stored_nbytes)
+            known = self._resident[(tier, c.key)] = st.resident(self._key(c), c.stored_nbytes,
+                                                                 c.pack_offset)
         return known
 
     def _runs_with(self, c: ChunkRecord, extent: tuple) -> bool:
@@ -407,7 +413,8 @@ class ChunkReader:
         for c in run:
             tier = self.first_copy(c)
             assert tier is not None  # _runs_with checked it
-            if not self.storages[tier].place(f"{self.dir}/{c.key}", region, 0, at, c.nbytes):
+            if not self.storages[tier].place(self._key(c), region, c.pack_offset, at,
+                                             c.nbytes):
                 return None
             placed.append((c, tier, at))
             at += c.nbytes
@@ -428,7 +435,7 @@ class ChunkReader:
             bad = crc32c.bad_block(seg, bb, c.block_crc32c[b0:b1])
             if bad is not None:
                 why = (f"crc32c mismatch in block {b0 + bad} of "
-                       f"{self.storages[tier].url}/{self.dir}/{c.key}")
+                       f"{self.storages[tier].url}/{self._key(c)}")
                 self._failed(tier, c.key, f"step {self.choice.step}: chunk {c.key} from the "
                              f"{tier} tier failed ({why}); trying the next copy", why)
                 return False

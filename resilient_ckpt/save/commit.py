@@ -18,7 +18,7 @@ from ..core import layout, manifest as mf
 from ..core.codec import Encoding
 from ..errors import CorruptCheckpointError, StepAlreadyExistsError
 from ..storage.base import Storage
-from . import transfer
+from . import packing, transfer
 from .snapshot import Snapshot
 
 log = logging.getLogger("resilient_ckpt")
@@ -56,58 +56,90 @@ def write_step(storage: Storage, tier: str, naming: layout.StepNaming, snap: Sna
     `storage` and commits it; raises on failure, after removing what it wrote
     (never anything committed)."""
     enc = encoding or Encoding()
-
-    def put(i: int) -> mf.ChunkRecord:
-        c = snap.chunks[i]
-        return transfer.put_host(storage, f"{d}/{c.key}", c.data, snap.record(i), enc)
-
     d = naming.name(snap.step)
+    idx = snap.indices(primary_only)
+    sizes = [int(snap.chunks[i].data.nbytes) for i in idx]
+    keys = [snap.chunks[i].key for i in idx]
+    groups = packing.plan(sizes)
+    objects = [packing.object_name(g, keys, sizes, snap.save_id, header["process_index"])
+               for g in groups]
+
+    def put(job: tuple[list[int], str]) -> list[mf.ChunkRecord]:
+        group, name = job
+        recs = [snap.record(idx[j]) for j in group]
+        data = [snap.chunks[idx[j]].data for j in group]
+        if not packing.packed(group, sizes):
+            return [transfer.put_host(storage, f"{d}/{name}", data[0], recs[0], enc)]
+        if enc.codec == "raw":
+            return packing.put_raw(storage, d, name, recs, [x.data for x in data])
+        return packing.put_streamed(storage, d, name, recs,
+                                    [[transfer.MemorySource(x)] for x in data], enc)[0]
 
     def manifest(stored: dict) -> mf.Manifest:
         return mf.Manifest(step=snap.step, save_id=snap.save_id,
                            items=_with_stored(snap.manifest_items(primary_only), stored),
                            **header)
-    idx = snap.indices(primary_only)
-    return _commit(storage, tier, snap.step, d, [snap.chunks[i].key for i in idx],
-                   [(put, i, snap.chunks[i].data.nbytes) for i in idx], manifest, io, on_commit,
-                   "host snapshot", claim)
+    return _commit(storage, tier, snap.step, d, objects,
+                   [(put, (g, o), sum(sizes[j] for j in g)) for g, o in zip(groups, objects,
+                                                                           strict=True)],
+                   manifest, io, on_commit, "host snapshot", claim)
 
 
 def copy_step(storage: Storage, tier: str, naming: layout.StepNaming, m: mf.Manifest,
-              sources: list[tuple[str, Storage]], io: cf.Executor, encoding: Encoding,
-              on_commit: Callable[[mf.Manifest], None] | None = None,
+              sources: list[tuple[str, Storage, mf.Manifest]], io: cf.Executor,
+              encoding: Encoding, on_commit: Callable[[mf.Manifest], None] | None = None,
               only: frozenset[str] | None = None,
               claim: Callable[[], None] | None = None) -> TierWrite:
     """Copies one process's committed step `m` (only the chunks in `only`,
-    when given) from the first of `sources` (tier name, storage) whose copy of
-    each chunk verifies, encoding on the way, and commits it to `storage` under
-    the same save; raises on failure, after removing what it wrote. The devices
-    are not read again."""
+    when given) from the first of `sources` (tier name, storage, its manifest
+    of `m` there, which says where each chunk lies in it) whose copy of each
+    chunk verifies, encoding on the way, and commits it to `storage` under
+    the same save; raises on failure, after removing what it wrote. The
+    devices are not read again."""
     d = naming.name(m.step)
     if only is not None:
         m = dataclasses.replace(m, items=tuple(dataclasses.replace(it, leaves=tuple(
             dataclasses.replace(lf, chunks=tuple(c for c in lf.chunks if c.key in only))
             for lf in it.leaves)) for it in m.items))
     chunks = [c for _, _, c in m.chunks()]
+    at = [{c.key: c for _, _, c in sm.chunks()} for _, _, sm in sources]
     for c in chunks:
-        if c.codec != "raw":
+        if any(c.key in a and a[c.key].codec != "raw" for a in at):
             raise CorruptCheckpointError(f"step {m.step}: chunk {c.key} is stored as "
-                                         f"{c.codec} in {sources[0][0]}; copies are made "
-                                         "from raw copies only")
+                                         f"zstd in one of {[n for n, _, _ in sources]}; "
+                                         "copies are made from raw copies only")
     used: set[str] = set()
 
-    def put(c: mf.ChunkRecord) -> mf.ChunkRecord:
-        srcs = [transfer.TierSource(st, f"{d}/{c.key}", c.nbytes) for _, st in sources]
-        rec, i = transfer.store_first(storage, f"{d}/{c.key}", srcs, c, encoding)
-        used.add(sources[i][0])
-        return rec
+    def srcs(c: mf.ChunkRecord) -> tuple[list[transfer.Source], list[str]]:
+        found = [(n, transfer.TierSource(st, d, a[c.key]))
+                 for (n, st, _), a in zip(sources, at, strict=True) if c.key in a]
+        return [s for _, s in found], [n for n, _ in found]
+
+    def put(job: tuple[list[int], str]) -> list[mf.ChunkRecord]:
+        group, name = job
+        cs = [chunks[j] for j in group]
+        got = [srcs(c) for c in cs]
+        if not packing.packed(group, sizes):
+            rec, i = transfer.store_first(storage, f"{d}/{name}", got[0][0], cs[0], encoding)
+            used.add(got[0][1][i])
+            return [rec]
+        recs, picked = packing.put_streamed(storage, d, name, cs, [s for s, _ in got],
+                                            encoding)
+        used.update(names[i] for (_, names), i in zip(got, picked, strict=True))
+        return recs
 
     def manifest(stored: dict) -> mf.Manifest:
         return dataclasses.replace(m, items=_with_stored(m.items, stored))
-    tw = _commit(storage, tier, m.step, d, [c.key for c in chunks],
-                 [(put, c, c.stored_nbytes) for c in chunks], manifest, io, on_commit, None,
-                 claim)
-    return dataclasses.replace(tw, source="+".join(n for n, _ in sources if n in used) or None)
+    sizes = [c.nbytes for c in chunks]
+    keys = [c.key for c in chunks]
+    groups = packing.plan(sizes)
+    objects = [packing.object_name(g, keys, sizes, m.save_id, m.process_index) for g in groups]
+    tw = _commit(storage, tier, m.step, d, objects,
+                 [(put, (g, o), sum(sizes[j] for j in g))
+                  for g, o in zip(groups, objects, strict=True)],
+                 manifest, io, on_commit, None, claim)
+    return dataclasses.replace(tw, source="+".join(n for n, _, _ in sources if n in used)
+                               or None)
 
 
 def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], jobs: list,
@@ -118,10 +150,11 @@ def _commit(storage: Storage, tier: str, step: int, d: str, keys: list[str], job
     on `io`, small ones in groups (`_groups`)."""
     def write() -> list[mf.ChunkRecord]:
         futures = [io.submit(_run_group, g) for g in _groups(jobs)]
-        stored, errors = [], []
+        stored: list[mf.ChunkRecord] = []
+        errors = []
         for f in futures:
             try:
-                stored.extend(f.result())
+                stored.extend(rec for recs in f.result() for rec in recs)
             except BaseException as e:  # noqa: BLE001 - collected and re-raised
                 errors.append(e)
         if errors:
@@ -199,12 +232,12 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
             log.warning("commit of step %d to the %s tier (%s/%s) failed with its "
                         "outcome unknown; its chunks are left in place", step, tier,
                         storage.url, d)
-            storage.end_write(d)
+            _end_quietly(storage, d)
             raise
         # Known not committed (a chunk failed, another writer won, or the
         # manifest's write failed before its link, as on a full disk).
         _remove(storage, d, keys)
-        storage.end_write(d)
+        _end_quietly(storage, d)
         try:
             storage.remove_empty_dir(d)
         except OSError:
@@ -218,6 +251,16 @@ def commit_chunks(storage: Storage, tier: str, step: int, d: str, keys: list[str
     phases = {"chunks": t1 - t0, "flush": t2 - t1, "manifest": t3 - t2, "observe": t4 - t3}
     return TierWrite(tier, step, True, t4 - t0, m.nbytes, source=source,
                      stored_bytes=sum(r.stored_nbytes for r in stored.values()), phases=phases)
+
+
+def _end_quietly(storage: Storage, d: str) -> None:
+    """`end_write` after a failure: its own failure (the disk that failed the
+    save, remounted read-only) is logged, so the save's error is the one raised."""
+    try:
+        storage.end_write(d)
+    except OSError as e:
+        log.warning("could not end the failed save in %s/%s (%s); cleanup removes its "
+                    "marker", storage.url, d, e)
 
 
 def _remove(storage: Storage, d: str, keys: list[str]) -> None:

@@ -195,20 +195,25 @@ class Saver:
     def _upload_copy(self, t: Tier, flight: Flight, done: list[str]) -> None:
         snap = flight.snap
         self._flying.release(t.name, flight)
-        ts = self._catalog.view(done[0]).get(snap.step)
-        mine = [m for m in (ts.manifests if ts else ())
-                if isinstance(m, Manifest) and m.save_id == snap.save_id
-                and m.process_index == flight.header["process_index"]]
-        if not mine:
+        mine = {n: self._own_manifest(n, flight) for n in done}
+        sources = [(n, self.tier(n).storage, m) for n, m in mine.items() if m is not None]
+        if not sources:
             raise StepNotFoundError(f"step {snap.step} vanished from the {done[0]} "
                                     "tier before its upload")
         flight.rec.tiers[t.name] = commit.copy_step(
-            t.storage, t.name, self._plan.naming, mine[0],
-            [(n, self.tier(n).storage) for n in done], t.io, t.plan.encoding,
+            t.storage, t.name, self._plan.naming, sources[0][2], sources, t.io,
+            t.plan.encoding,
             on_commit=lambda m: self._catalog.committed(t.name, t.storage, m),
             only=None if _keeps_replicas(t) else frozenset(
                 c.key for c in snap.chunks if c.primary),
             claim=lambda: flight.claim.take(t.name, t.storage))
+
+    def _own_manifest(self, tier: str, flight: Flight) -> Manifest | None:
+        """This process's manifest of the flight's save in `tier`, as committed."""
+        ts = self._catalog.view(tier).get(flight.snap.step)
+        return next((m for m in (ts.manifests if ts else ())
+                     if isinstance(m, Manifest) and m.save_id == flight.snap.save_id
+                     and m.process_index == flight.header["process_index"]), None)
 
     def _failed(self, t: Tier, step: int, e: BaseException, rec: SaveRecord) -> None:
         rec.tiers[t.name] = TierWrite(t.name, step, False, 0.0, 0, str(e))

@@ -69,15 +69,17 @@ class MemorySource(Source):
 
 
 class TierSource(Source):
-    """A committed copy in another tier (mapped without a copy on the RAM tier)."""
+    """A committed copy in another tier, in step directory `d` as its record
+    `c` there places it (mapped without a copy on the RAM tier)."""
 
-    def __init__(self, storage: Storage, key: str, nbytes: int):
-        self.storage, self.key, self.nbytes = storage, key, nbytes
-        self.where = f"{storage.url}/{key}"
+    def __init__(self, storage: Storage, d: str, c: ChunkRecord):
+        self.storage, self.key, self.nbytes = storage, f"{d}/{c.object}", c.nbytes
+        self.at = c.pack_offset
+        self.where = f"{storage.url}/{self.key}" + (f" at byte {self.at}" if c.pack else "")
 
     def view(self) -> memoryview | None:
         try:
-            m = self.storage.map(self.key, self.nbytes)
+            m = self.storage.map(self.key, self.nbytes, self.at)
         except OSError as e:
             raise SourceError(e.errno or errno.EIO,
                               f"reading {self.where} to copy it failed: {e}") from e
@@ -85,7 +87,7 @@ class TierSource(Source):
 
     def read_into(self, out: memoryview, offset: int) -> None:
         try:
-            self.storage.read_into(self.key, out, offset)
+            self.storage.read_into(self.key, out, self.at + offset)
         except OSError as e:
             raise SourceError(e.errno or errno.EIO,
                               f"reading {self.where} to copy it failed: {e}") from e
@@ -156,6 +158,24 @@ def _sample_gain(src: Source, c: ChunkRecord, enc: Encoding) -> float:
     return 1 - len(compress(view[:n], enc.level)) / max(n, 1)
 
 
+def encoded(src: Source, c: ChunkRecord, enc: Encoding, piece: int
+            ) -> tuple[io.IOBase, str]:
+    """A stream of chunk `c`'s bytes as stored (from `src`, checked against
+    `c.crc32c`, as `store` checks them) and its codec: what a pack holds of
+    it. A chunk up to `piece` bytes is read whole (compressed whole where
+    that gains `min_gain`), a larger one streamed."""
+    if c.nbytes <= piece:
+        data = _whole(src, c)
+        if enc.codec == "zstd":
+            z = compress(data, enc.level)
+            if 0 < len(z) <= int(c.nbytes * (1 - enc.min_gain)):
+                return io.BytesIO(z), "zstd"
+        return io.BytesIO(data), "raw"
+    if enc.codec == "zstd" and _sample_gain(src, c, enc) >= enc.min_gain:
+        return compress_stream(_Raw(src, c), enc.level, c.nbytes, piece), "zstd"
+    return _Raw(src, c), "raw"
+
+
 def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
           ) -> ChunkRecord:
     """Puts chunk `c` (its bytes from `src`) as `key`; returns its record as
@@ -172,11 +192,13 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
                 n = compress_into(data, buf[:most], enc.level)
                 if n is not None:
                     storage.put(key, buf[:n].data)
-                    return dataclasses.replace(c, codec="zstd", stored_nbytes=n)
+                    return dataclasses.replace(c, codec="zstd", stored_nbytes=n, pack=None,
+                                               pack_offset=0)
             finally:
                 PACKED.give(buf)
         storage.put(key, data)
-        return dataclasses.replace(c, codec="raw", stored_nbytes=c.nbytes)
+        return dataclasses.replace(c, codec="raw", stored_nbytes=c.nbytes, pack=None,
+                                   pack_offset=0)
     zstd = enc.codec == "zstd" and _sample_gain(src, c, enc) >= enc.min_gain
     streams: list[_Counted] = []
 
@@ -188,7 +210,8 @@ def store(storage: Storage, key: str, src: Source, c: ChunkRecord, enc: Encoding
 
     storage.put_stream(key, opener, None if zstd else c.nbytes)
     stored = streams[-1].count if zstd else c.nbytes
-    return dataclasses.replace(c, codec="zstd" if zstd else "raw", stored_nbytes=stored)
+    return dataclasses.replace(c, codec="zstd" if zstd else "raw", stored_nbytes=stored,
+                               pack=None, pack_offset=0)
 
 
 def put_host(storage: Storage, key: str, data: np.ndarray, c: ChunkRecord, enc: Encoding

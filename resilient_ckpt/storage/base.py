@@ -34,7 +34,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
-from collections.abc import Iterator
+import io
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -89,6 +90,15 @@ class Storage(abc.ABC):
             data = f.read()
         self.put(key, memoryview(data))
 
+    def put_parts(self, key: str, parts: Sequence[tuple[int, memoryview]], size: int
+                  ) -> None:
+        """Writes, as `put` does, an object of `size` bytes that holds each
+        (offset, bytes) of `parts` (in offset order, none overlapping) and
+        zeros between them: a pack of chunks. The default streams them through
+        `put_stream`, so memory stays bounded; the file tiers write each part
+        in place, without a copy."""
+        self.put_stream(key, lambda: _Parts(parts, size), size)
+
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         """The whole object; StorageError if it does not exist, and (errno EFBIG,
         before anything is allocated) if it is larger than `max_bytes`."""
@@ -100,8 +110,9 @@ class Storage(abc.ABC):
         self.read_into(key, memoryview(buf))
         return bytes(buf)
 
-    def map(self, key: str, nbytes: int) -> np.ndarray | None:
-        """A zero-copy uint8 view of the object, where the backend can give one
+    def map(self, key: str, nbytes: int, offset: int = 0) -> np.ndarray | None:
+        """A zero-copy uint8 view of the object's `nbytes` from `offset` (a
+        multiple of the page size), where the backend can give one
         (`zero_copy`, or `maps_cached` and the object is `resident`) that later
         writes and deletes never change and whose own writes never reach
         storage (copy-on-write); else None."""
@@ -114,8 +125,8 @@ class Storage(abc.ABC):
         resident); False where it cannot."""
         return False
 
-    def resident(self, key: str, nbytes: int) -> bool:
-        """Whether `map` of the object's first `nbytes` would give a view now
+    def resident(self, key: str, nbytes: int, offset: int = 0) -> bool:
+        """Whether `map` of the object's `nbytes` from `offset` would give a view now
         (`zero_copy`, or `maps_cached` and every page is held in memory); a
         hint: the answer may change before the `map`."""
         return False
@@ -166,6 +177,36 @@ class Storage(abc.ABC):
     def close(self) -> None:
         """Releases connections and threads (the manager calls it at close);
         calling it again does nothing."""
+
+
+class _Parts(io.RawIOBase):
+    """The bytes of `put_parts`' object in order: each part, zeros between."""
+
+    def __init__(self, parts: Sequence[tuple[int, memoryview]], size: int):
+        self._parts = [(at, memoryview(v).cast("B")) for at, v in parts]
+        self._size, self._pos, self._i = size, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        while self._i < len(self._parts) and \
+                self._pos >= self._parts[self._i][0] + len(self._parts[self._i][1]):
+            self._i += 1
+        if self._i == len(self._parts):
+            n = min(len(out), self._size - self._pos)
+            out[:n] = bytes(n)
+        else:
+            at, view = self._parts[self._i]
+            if self._pos < at:
+                n = min(len(out), at - self._pos)
+                out[:n] = bytes(n)
+            else:
+                n = min(len(out), at + len(view) - self._pos)
+                out[:n] = view[self._pos - at:self._pos - at + n]
+        self._pos += n
+        return n
 
 
 def check_size(where: str, size: int, max_bytes: int | None) -> None:

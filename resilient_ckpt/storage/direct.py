@@ -41,8 +41,9 @@ def aligned(view: memoryview) -> bool:
     return np.frombuffer(view, np.uint8).ctypes.data % BLOCK == 0
 
 
-def write(fd: int, view: memoryview, stage: np.ndarray | None = None) -> bool:
-    """Writes `view` to `fd` (opened with O_DIRECT): its whole blocks straight
+def write(fd: int, view: memoryview, stage: np.ndarray | None = None, at: int = 0) -> bool:
+    """Writes `view` to `fd` (opened with O_DIRECT) at file offset `at` (on a
+    block; the file ends after it, so parts go in offset order): its whole blocks straight
     from it, or, where it is not `aligned`, copied through `stage` (uint8,
     page-aligned, a whole number of blocks) a piece at a time; the last part
     through a zero-padded page, the size then cut back. False, with the file
@@ -56,20 +57,20 @@ def write(fd: int, view: memoryview, stage: np.ndarray | None = None) -> bool:
         pos = 0
         while pos < whole:
             if src is None:
-                n = os.pwrite(fd, view[pos:whole], pos)
+                n = os.pwrite(fd, view[pos:whole], at + pos)
             else:
                 assert stage is not None
                 k = min(len(stage) - len(stage) % BLOCK, whole - pos)
                 stage[:k] = src[pos:pos + k]
-                n = os.pwrite(fd, stage[:k].data, pos)
+                n = os.pwrite(fd, stage[:k].data, at + pos)
             if n <= 0 or n % BLOCK:
                 raise OSError(errno.EINVAL, "short unaligned direct write")
             pos += n
         if whole < len(view):
             with mmap.mmap(-1, BLOCK) as page:
                 page[:len(view) - whole] = view[whole:]
-                os.pwrite(fd, page, whole)
-            os.ftruncate(fd, len(view))
+                os.pwrite(fd, page, at + whole)
+            os.ftruncate(fd, at + len(view))
         return True
     except OSError as e:
         if e.errno != errno.EINVAL:

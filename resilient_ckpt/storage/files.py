@@ -311,25 +311,34 @@ class FileStorage(_Walker, Storage):
 
     # ------------------------------------------------------------ writes
 
-    def _write_tmp(self, d: int, name: str, data, sync: bool = True) -> str:
+    def _write_tmp(self, d: int, name: str, parts: list, size: int,
+                   sync: bool = True) -> str:
         """A temporary beside `name` in directory `d`, written (and fsynced
         when `sync`; a batch's chunks are synced by their batch instead)."""
         tmp = self._writer.tmp_name(name)
-        self._write_new(d, tmp, data, sync)
+        self._write_new(d, tmp, parts, size, sync)
         return tmp
 
-    def _write_new(self, d: int, name: str, data, sync: bool) -> None:
-        """File `name`, created in directory `d` (FileExistsError if there) and
-        written; fsynced when `sync`; removed again if the write fails."""
-        view = memoryview(data).cast("B")
-        fd, direct = self._create(d, name, self._direct and odirect.qualifies(view))
+    def _write_new(self, d: int, name: str, parts: list, size: int, sync: bool) -> None:
+        """File `name`, created in directory `d` (FileExistsError if there),
+        of `size` bytes holding each (offset, bytes) of `parts` (offset order);
+        fsynced when `sync`; removed again if the write fails. With O_DIRECT
+        every part goes past the cache (offsets of parts after the first are
+        on a block: a pack's are)."""
+        views = [(at, memoryview(v).cast("B")) for at, v in parts]
+        fd, direct = self._create(d, name, self._direct and size >= odirect.MIN_BYTES
+                                  and all(at % odirect.BLOCK == 0 for at, _ in views))
         try:
-            if direct and not self._write_direct(fd, view):
+            if direct and not all(self._write_direct(fd, v, at) for at, v in views):
                 self._direct = False  # an alignment this file system refuses
                 direct = False
             if not direct:
-                while view:
-                    view = view[os.write(fd, view):]
+                for at, view in views:
+                    os.lseek(fd, at, os.SEEK_SET)
+                    while view:
+                        view = view[os.write(fd, view):]
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
             if sync and self._fsync:
                 os.fsync(fd)
         except BaseException:
@@ -338,12 +347,12 @@ class FileStorage(_Walker, Storage):
             raise
         os.close(fd)
 
-    def _write_direct(self, fd: int, view: memoryview) -> bool:
+    def _write_direct(self, fd: int, view: memoryview, at: int) -> bool:
         if odirect.aligned(view):
-            return odirect.write(fd, view)
+            return odirect.write(fd, view, at=at)
         stage = self._stages.take(odirect.STAGE_BYTES)
         try:
-            return odirect.write(fd, view, stage)
+            return odirect.write(fd, view, stage, at)
         finally:
             self._stages.give(stage)
 
@@ -360,28 +369,32 @@ class FileStorage(_Walker, Storage):
         return os.open(name, _CREATE, 0o644, dir_fd=d), False
 
     def put(self, key: str, data) -> None:
+        view = memoryview(data).cast("B")
+        self.put_parts(key, [(0, view)], len(view))
+
+    def put_parts(self, key: str, parts, size: int) -> None:
         dirs, name = self._split(key)
         with self._failing("write of", key), self._held_batch(key) as batch:
             sync = batch is None or batch.mode != "syncfs"  # else synced by its batch
             if (batch is not None and layout.is_chunk_name(name)
-                    and self._put_in_place(batch.fd, name, data, sync)):
-                batch.wrote(memoryview(data).nbytes)
+                    and self._put_in_place(batch.fd, name, parts, size, sync)):
+                batch.wrote(size)
                 return
             with self._dir(dirs, create=True) as d:
-                tmp = self._write_tmp(d, name, data, sync)
+                tmp = self._write_tmp(d, name, parts, size, sync)
                 try:
                     os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
                 except BaseException:
                     _unlink_quietly(d, tmp)
                     raise
             if batch is not None:
-                batch.wrote(memoryview(data).nbytes)
+                batch.wrote(size)
 
-    def _put_in_place(self, d: int, name: str, data, sync: bool) -> bool:
-        """A save's new chunk written under its final name; False, with
+    def _put_in_place(self, d: int, name: str, parts: list, size: int, sync: bool) -> bool:
+        """A save's new chunk or pack written under its final name; False, with
         nothing written, where the name exists already."""
         try:
-            self._write_new(d, name, data, sync)
+            self._write_new(d, name, parts, size, sync)
         except FileExistsError:
             return False
         return True
@@ -391,7 +404,7 @@ class FileStorage(_Walker, Storage):
         linked = False
         try:
             with self._dir(dirs, create=True) as d:
-                tmp = self._write_tmp(d, name, data)
+                tmp = self._write_tmp(d, name, [(0, data)], len(data))
                 try:
                     os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
                     linked = True
@@ -465,17 +478,18 @@ class FileStorage(_Walker, Storage):
         finally:
             os.close(fd)
 
-    def resident(self, key: str, nbytes: int) -> bool:
+    def resident(self, key: str, nbytes: int, offset: int = 0) -> bool:
         if self.zero_copy:
             return nbytes > 0
         if not self.maps_cached or nbytes <= 0:
             return False
         try:
-            return bool(self._with_fd(key, nbytes, lambda fd: hostmem.cached(fd, nbytes)))
+            return bool(self._with_fd(key, offset + nbytes,
+                                      lambda fd: hostmem.cached(fd, nbytes, offset)))
         except StorageError:
             return False  # missing or not a file: the read that follows says so
 
-    def map(self, key: str, nbytes: int) -> np.ndarray | None:
+    def map(self, key: str, nbytes: int, offset: int = 0) -> np.ndarray | None:
         # A private mapping keeps seeing the bytes it was opened on: objects
         # are replaced by rename and never written in place, and a deleted
         # file lives on while mapped. On tmpfs (zero_copy) the pages are memory
@@ -487,24 +501,24 @@ class FileStorage(_Walker, Storage):
         # its own, in large reads, instead of page by page through faults. The
         # price: a deleted step's blocks stay allocated while its restored
         # arrays live.
-        if nbytes == 0 or not (self.zero_copy or self.maps_cached):
+        if nbytes == 0 or not (self.zero_copy or self.maps_cached) or \
+                offset % mmap.ALLOCATIONGRANULARITY:
             return None
 
         def open_map(fd: int):
-            if not (self.zero_copy or hostmem.cached(fd, nbytes)):
+            if not (self.zero_copy or hostmem.cached(fd, nbytes, offset)):
                 return False
             return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        m = self._with_fd(key, nbytes, open_map)
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        m = self._with_fd(key, offset + nbytes, open_map)
         return np.frombuffer(m, dtype=np.uint8) if isinstance(m, mmap.mmap) else None
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
         if not (self.zero_copy or self.maps_cached):  # see map()
             return False
-        need = file_offset + length
-        return bool(self._with_fd(key, need, lambda fd: (
-            self.zero_copy or hostmem.cached(fd, need))
+        return bool(self._with_fd(key, file_offset + length, lambda fd: (
+            self.zero_copy or hostmem.cached(fd, length, file_offset))
             and region.place(fd, file_offset, dest_offset, length)))
 
     def size(self, key: str) -> int | None:

@@ -104,6 +104,9 @@ class StorageWrapper(Storage):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.inner.put_if_absent(key, data)
 
+    def put_parts(self, key: str, parts, size: int) -> None:
+        self.inner.put_parts(key, parts, size)
+
     def put_stream(self, key: str, opener, size: int | None) -> None:
         self.inner.put_stream(key, opener, size)
 
@@ -115,15 +118,15 @@ class StorageWrapper(Storage):
     def read(self, key: str, max_bytes: int | None = None) -> bytes:
         return self.inner.read(key, max_bytes)
 
-    def map(self, key: str, nbytes: int) -> np.ndarray | None:
-        return self.inner.map(key, nbytes)
+    def map(self, key: str, nbytes: int, offset: int = 0) -> np.ndarray | None:
+        return self.inner.map(key, nbytes, offset)
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
         return self.inner.place(key, region, file_offset, dest_offset, length)
 
-    def resident(self, key: str, nbytes: int) -> bool:
-        return self.inner.resident(key, nbytes)
+    def resident(self, key: str, nbytes: int, offset: int = 0) -> bool:
+        return self.inner.resident(key, nbytes, offset)
 
     def holding(self, prefix: str):
         return self.inner.holding(prefix)

@@ -83,6 +83,21 @@ class _ObjectContract:
             storage.read_into("1/a", out.data, offset)
             assert np.array_equal(out, data[offset:offset + n]), (offset, n)
 
+    def test_put_parts_lays_each_part_at_its_offset_with_zeros_between(self, storage):
+        """A pack of chunks (format 3): parts at page offsets, across pieces."""
+        a, b = payload(5000, 1), payload(self.stream_bytes(storage) // 2, 2)
+        at_b = -(-a.nbytes // 4096) * 4096 + 4096
+        storage.put_parts("1/p", [(0, a.data), (at_b, b.data)], at_b + b.nbytes)
+        assert storage.size("1/p") == at_b + b.nbytes
+        out = np.frombuffer(storage.read("1/p"), np.uint8)
+        assert np.array_equal(out[:a.nbytes], a) and not out[a.nbytes:at_b].any()
+        assert np.array_equal(out[at_b:], b)
+        got = np.zeros(100, np.uint8)
+        storage.read_into("1/p", got.data, at_b + 10)
+        assert np.array_equal(got, b[10:110])
+        view = storage.map("1/p", 4096, at_b) if storage.zero_copy else None
+        assert view is None or np.array_equal(view, b[:4096])
+
     def test_put_takes_bytes_and_empty_objects(self, storage):
         storage.put("1/b", b"abc")
         storage.put("1/empty", b"")

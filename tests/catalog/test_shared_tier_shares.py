@@ -25,6 +25,7 @@ from resilient_ckpt.core import layout, manifest as mf, shares
 from resilient_ckpt.core.planner import plan_target
 from resilient_ckpt.core.sharding import index_to_box
 from resilient_ckpt.multihost.agree import Peers
+from resilient_ckpt.save import packing
 from resilient_ckpt.storage.files import FileStorage
 from resilient_ckpt.storage.wrapper import StorageWrapper
 from resilient_ckpt.testing.kvservice import KeyValueService
@@ -42,9 +43,12 @@ def _split(m: mf.Manifest, i: int) -> mf.Manifest:
 
 
 @pytest.fixture
-def shared(tmp_path):
+def shared(tmp_path, monkeypatch):
     """A local tier holding steps 1 and 2, each written by 4 writers, with
-    their claims; returns its storage."""
+    their claims; returns its storage. The one save is split among the
+    writers chunk by chunk, so each chunk is written as its own object (no
+    packs: a pack would be shared by the writers)."""
+    monkeypatch.setattr(packing, "PACK_BYTES", 1)
     return _four_writers(tmp_path, _split)
 
 
@@ -71,9 +75,10 @@ def _by_device(step: int):
 
 
 @pytest.fixture
-def by_device(tmp_path):
+def by_device(tmp_path, monkeypatch):
     """The same tier, each step's chunks split among the writers as a save
-    by the job of DEVICES leaves them."""
+    by the job of DEVICES leaves them (no packs, as above)."""
+    monkeypatch.setattr(packing, "PACK_BYTES", 1)
     return _four_writers(tmp_path, None)
 
 

@@ -80,31 +80,31 @@ def test_chunk_jobs_go_in_order_in_bounded_runs(sizes):
 
 
 def test_a_failing_chunk_fails_its_save_and_leaves_nothing(tmp_path, monkeypatch):
-    """320 chunks (40 leaves in 8 pieces), put in runs of 5; the 150th put
-    fails (a wrapper that raises for it: one failing file among many is not
-    otherwise caused here): the save fails, none of its chunks stays, and the
-    next save commits."""
+    """320 chunks (40 leaves in 8 pieces), written as a pack; its put fails
+    (a wrapper that raises for it: one failing file is not otherwise caused
+    here): the save fails, nothing of it stays, and the next save commits."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8), ("x",))
     state = {f"l{i}": jax.device_put(np.full((8, 4), i, np.float32), NamedSharding(mesh, P("x")))
              for i in range(40)}  # 320 chunks
-    real_put = FileStorage.put
+    real_put = FileStorage.put_parts
     seen = []
 
-    def put(self, key, data):
-        seen.append(key)
-        if len(seen) == 150:
+    def put(self, key, parts, size):
+        if layout.is_chunk_name(key.rpartition("/")[2]):
+            seen.append(key)
+        if len(seen) == 1:
             raise OSError(5, "injected write error")
-        return real_put(self, key, data)
+        return real_put(self, key, parts, size)
     with rc.CheckpointManager(str(tmp_path / "ckpt"), options=rc.CheckpointManagerOptions(
             tiers=[rc.LocalTier(every=1, keep=2)])) as m:
-        monkeypatch.setattr(FileStorage, "put", put)
+        monkeypatch.setattr(FileStorage, "put_parts", put)
         with pytest.raises(rc.SaveFailedError):
             m.save(1, args=ocp.args.StandardSave(state))
             m.wait_until_finished()
-        monkeypatch.setattr(FileStorage, "put", real_put)
+        monkeypatch.setattr(FileStorage, "put_parts", real_put)
         d = tmp_path / "ckpt" / "1"
         left = [n for n in (os.listdir(d) if d.exists() else []) if layout.is_chunk_name(n)]
         assert left == [] and m.all_steps() == []

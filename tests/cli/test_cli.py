@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, GcsTier, LocalTier, RamTier
 from resilient_ckpt.core import layout
 from resilient_ckpt.save.tierrecord import RECORD_NAME
+from tests.support import packs
 from tests.support.cli import js, run
 
 
@@ -67,8 +68,9 @@ def test_ls_shows_every_step_in_every_tier(ckpt):
 
 def test_ls_says_why_a_step_is_not_viable(ckpt):
     d, ram = ckpt
-    # step 3: a chunk gone from both tiers
+    # step 3: a pack (or a chunk's own file) gone from both tiers
     victim = chunks(d / "3")[0]
+    first = packs.at_start(str(d / "3"), victim)  # the first chunk found missing
     os.remove(d / "3" / victim)
     os.remove(ram / "3" / victim)
     # step 2: the manifest gone from the local tier only (RAM still whole)
@@ -78,8 +80,9 @@ def test_ls_says_why_a_step_is_not_viable(ckpt):
     os.remove(d / "1" / layout.manifest_name(0, 1))
     steps = {s["step"]: s for s in js("ls", d)["steps"]}
     s3 = steps[3]
-    assert not s3["viable"] and f"chunk {victim} is missing (ram, local)" in s3["reason"]
-    assert all(f"chunk {victim} is missing" in c["problem"] for c in s3["copies"])
+    missing = f"chunk {first} (in pack {victim}) is missing"
+    assert not s3["viable"] and f"{missing} (ram, local)" in s3["reason"]
+    assert all(missing in c["problem"] for c in s3["copies"])
     s2 = {c["tier"]: c for c in steps[2]["copies"]}
     assert steps[2]["viable"] and s2["ram"]["problem"] is None
     assert s2["local"]["state"] == "uncommitted" and "no manifest" in s2["local"]["problem"]
@@ -93,8 +96,7 @@ def test_ls_names_a_live_writer_and_a_wrong_size(ckpt):
     os.remove(d / "3" / layout.manifest_name(0, 1))
     (d / "3" / layout.Writer.me().marker_name()).write_bytes(b"")
     victim = chunks(ram / "2")[0]
-    with open(ram / "2" / victim, "ab") as f:
-        f.write(b"x")
+    os.truncate(ram / "2" / victim, os.path.getsize(ram / "2" / victim) - 1)  # its last chunk
     os.remove(d / "2" / victim)
     steps = {s["step"]: s for s in js("ls", d)["steps"]}
     local3 = next(c for c in steps[3]["copies"] if c["tier"] == "local")
@@ -138,11 +140,8 @@ def test_verify_passes_then_finds_each_defect(ckpt):
     assert "ok: 54 chunk copies" in p.stdout and "verify" in p.stderr  # the bar
     assert js("verify", d, 3, "-q")["ok"]
     # a flipped byte in RAM's copy: the step stays viable (disk holds it), but verify fails
-    victim = chunks(ram / "3")[0]
-    path = ram / "3" / victim
-    data = bytearray(path.read_bytes())
-    data[0] ^= 0xFF
-    path.write_bytes(bytes(data))
+    victim = sorted(packs.places(str(ram / "3")))[0]
+    packs.flip(str(ram / "3"), victim)
     out = js("verify", d, 3, "-q", code=1)
     assert not out["ok"] and out["chunks"] == 18
     assert [(x["tier"], x["key"]) for x in out["defects"]] == [("ram", victim)]

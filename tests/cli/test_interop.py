@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
 from resilient_ckpt.cli import interop
-from resilient_ckpt.core import layout
 from resilient_ckpt.errors import StepNotFoundError
+from tests.support import packs
 
 
 def state(mesh, seed):
@@ -105,24 +105,21 @@ def test_export_from_the_local_tier_when_ram_is_gone(ours, tmp_path, mesh):
 
 def test_a_missing_chunk_names_the_step_and_leaf_and_writes_nothing(ours, tmp_path):
     d, ram = ours
-    victim = next(n for n in sorted(os.listdir(d / "5")) if layout.is_chunk_name(n)
-                  and ".c0.3." in n)  # leaf 3 in flatten order: params/e
-    os.remove(d / "5" / victim)
-    os.remove(os.path.join(ram, "5", victim))
+    where = packs.places(str(d / "5"))
+    victim = min((k for k in where if ".c0.3." in k),  # leaf 3 in flatten order: params/e
+                 key=lambda k: where[k][1])
+    packs.cut(str(d / "5"), victim)  # it and what follows it in its pack
+    packs.cut(os.path.join(ram, "5"), victim)
     dest = tmp_path / "orbax"
-    with pytest.raises(StepNotFoundError, match=r"step 5.*missing.*leaf \['params'\]\['e'\]"):
+    with pytest.raises(StepNotFoundError, match=r"step 5.*is 0 bytes in.*leaf \['params'\]\['e'\]"):
         interop.export_step(d, 5, dest)
     assert not dest.exists() or os.listdir(dest) == []
 
 
 def test_a_corrupt_chunk_fails_part_way_and_leaves_nothing(ours, tmp_path):
     d, ram = ours
-    for root in (d / "5", ram + "/5"):
-        victim = next(n for n in sorted(os.listdir(root)) if ".c0.3." in n)
-        p = os.path.join(root, victim)
-        data = bytearray(open(p, "rb").read())
-        data[0] ^= 0xFF
-        open(p, "wb").write(bytes(data))
+    for root in (str(d / "5"), ram + "/5"):
+        packs.flip(root, next(k for k in sorted(packs.places(root)) if ".c0.3." in k))
     dest = tmp_path / "orbax"
     with pytest.raises(ValueError, match=r"step 5.*\['params'\]\['e'\].*no intact copy"):
         interop.export_step(d, 5, dest, group_bytes=200)

@@ -187,18 +187,20 @@ def test_placeholder_restore_matches_orbax(tmp_path, case):
         assert ref["a"] is PH or ref["zz"] is PH
 
 
-def _chunk_of(d: str, leaf: tuple) -> str:
+def _chunk_of(d: str, leaf: tuple) -> tuple[str, int]:
+    """The file holding the leaf's first chunk, and the offset of its middle byte."""
     step = os.path.join(d, "0")
     with open(os.path.join(step, layout.manifest_name(0, 1)), "rb") as f:
         m = manifest.parse(f.read())
     (lf,) = [lf for lf in m.items[0].leaves if lf.path == leaf]
-    return os.path.join(step, lf.chunks[0].key)
+    c = lf.chunks[0]
+    return os.path.join(step, c.object), c.pack_offset + c.stored_nbytes // 2
 
 
 def test_placeholder_leaves_are_not_read_and_standard_restore_takes_them(tmp_path):
     d = str(tmp_path / "p")
     _saved(OURS, d).close()
-    flip(_chunk_of(d, (("key", "a"),)))
+    flip(*_chunk_of(d, (("key", "a"),)))
     with rc.CheckpointManager(d) as m:
         # Orbax's StandardRestore refuses PLACEHOLDER (ValueError); ours takes it.
         got = m.restore(0, args=ocp.args.StandardRestore(
@@ -273,7 +275,7 @@ def test_cast_comes_after_the_checksum_and_shapes_still_must_match(tmp_path):
     with rc.CheckpointManager(tmp_path / OURS.name) as m:
         with pytest.raises(rc.TargetMismatchError, match=r"leaf \['a'\].*shape \(6,\).*\(5,\)"):
             shape(OURS, str(tmp_path / "again"))
-        flip(_chunk_of(str(tmp_path / OURS.name), (("key", "a"),)))
+        flip(*_chunk_of(str(tmp_path / OURS.name), (("key", "a"),)))
         with pytest.raises(rc.CorruptCheckpointError):
             m.restore(0, args=ocp.args.StandardRestore(CAST_TARGETS["jax"]()))
     # A key is never cast to a number.

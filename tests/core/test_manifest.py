@@ -49,6 +49,17 @@ def _doc():
     return json.loads(mf.to_json(sample()))
 
 
+def _unpacked(d: dict, version: int) -> dict:
+    """`d` (a version-3 document) as a version `version` (1 or 2) writer wrote
+    it: no `pack` or `pack_offset` in its chunks."""
+    for it in d["items"]:
+        for lf in it["leaves"]:
+            for c in lf["chunks"]:
+                del c["pack"], c["pack_offset"]
+    d["version"] = version
+    return d
+
+
 # --------------------------------------------------------------- round trip, checksum
 
 def test_round_trip_is_exact():
@@ -63,7 +74,7 @@ def test_the_checksum_covers_every_byte_before_the_trailer():
     data = mf.to_json(sample())
     body, _, tail = data.rpartition(TRAILER)
     assert int(tail[:-1]) == google_crc32c.value(body) and tail.endswith(b"}")
-    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 2
+    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 3
     assert encode(json.loads(data)) == data  # the spec's recipe gives the writer's bytes
 
 
@@ -93,14 +104,13 @@ def test_version_2_without_its_checksum_is_corrupt():
         mf.parse(spaced)
 
 
-def test_version_1_is_read_without_a_checksum_and_rewritten_as_version_2():
-    d = _doc()
+def test_version_1_is_read_without_a_checksum_and_rewritten_as_version_3():
+    d = _unpacked(_doc(), 1)
     del d["manifest_crc32c"]
-    d["version"] = 1
     m = mf.parse(json.dumps(d, indent=2).encode())  # any JSON layout parses in version 1
     assert m.version == 1 and m == sample()
     again = mf.to_json(m)  # a copy to another tier is written in the current format
-    assert mf.parse(again).version == 2
+    assert mf.parse(again).version == 3
     with pytest.raises(CorruptCheckpointError, match="version 1 manifest cannot carry"):
         mf.parse(encode(dict(d)))
 
@@ -341,3 +351,62 @@ def test_a_zstd_chunk_claims_at_most_32768_bytes_per_stored_byte():
     assert mf.min_stored_nbytes("zstd", 32769) == 2
     assert mf.min_stored_nbytes("zstd", 0) == 0
     assert mf.min_stored_nbytes("raw", 7) == 7
+
+
+# --------------------------------------------------------------- version 2, version 3's packs
+
+def test_version_2_is_read_and_its_chunks_are_their_own_objects():
+    d = _unpacked(_doc(), 2)
+    m = mf.parse(encode(d), "m.json")
+    assert m.version == 2 and m == sample()
+    assert all(c.pack is None and c.object == c.key for _, _, c in m.chunks())
+    d["items"][0]["leaves"][0]["chunks"][0]["pack"] = None  # a version-3 field
+    with pytest.raises(UnsupportedFormatError, match="pack"):
+        mf.parse(encode(d), "m.json")
+
+
+def _packed(offsets: list[int], pack: str = "abababab.p0.0000beef") -> dict:
+    """The sample's document with its chunks in one pack at `offsets`."""
+    d = _doc()
+    chunks = [c for lf in d["items"][0]["leaves"] for c in lf["chunks"]]
+    for c, at in zip(chunks, offsets, strict=True):
+        c["pack"], c["pack_offset"] = pack, at
+    return d
+
+
+def test_packed_chunks_round_trip_and_name_their_pack():
+    m = mf.parse(encode(_packed([0, 4096, 8192, 12288])))
+    assert m.version == 3 and m.objects() == ["abababab.p0.0000beef"]
+    assert mf.parse(mf.to_json(m)) == m
+    c = next(c for _, _, c in m.chunks())
+    assert c.object == "abababab.p0.0000beef" and c.observed(4096 + 1) == c.stored_nbytes
+    assert c.observed(c.stored_nbytes - 1) == c.stored_nbytes - 1 and c.observed(None) is None
+
+
+@pytest.mark.parametrize("offsets, pack, why", [
+    ([0, 0, 8192, 12288], "abababab.p0.0000beef", "overlap in pack"),
+    ([0, 100, 8192, 12288], "abababab.p0.0000beef", "not a multiple of 4096"),
+    ([0, 4096, 8192, 12288], "../../etc/passwd", "not one path component"),
+    ([0, 4096, 8192, 12288], "a/b", "not one path component"),
+    ([0, 4096, 8192, 12288], "..", "not one path component"),
+])
+def test_pack_rules_are_enforced_naming_step_chunk_and_pack(offsets, pack, why):
+    with pytest.raises(CorruptCheckpointError, match=f"m.json: step 7: chunk.*{why}"):
+        mf.parse(encode(_packed(offsets, pack)), "m.json")
+
+
+def test_a_negative_pack_offset_and_an_offset_without_a_pack_are_corrupt():
+    with pytest.raises(CorruptCheckpointError, match="pack_offset"):
+        mf.parse(encode(_packed([0, -4096, 8192, 12288])), "m.json")
+    d = _doc()
+    d["items"][0]["leaves"][0]["chunks"][0]["pack_offset"] = 4096
+    with pytest.raises(CorruptCheckpointError, match="in no pack but has pack_offset 4096"):
+        mf.parse(encode(d), "m.json")
+
+
+def test_a_pack_named_as_an_unpacked_chunk_is_corrupt():
+    d = _doc()
+    c0, c1 = d["items"][0]["leaves"][0]["chunks"][:2]
+    c1["pack"] = c0["key"]
+    with pytest.raises(CorruptCheckpointError, match="an unpacked chunk's"):
+        mf.parse(encode(d), "m.json")

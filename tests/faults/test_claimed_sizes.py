@@ -120,7 +120,8 @@ def test_a_zstd_claim_within_the_ratio_cap_is_checked_against_its_frame(tmp_path
     with open(path, "rb") as f:
         (chunk,) = json.loads(f.read())["items"][0]["leaves"][0]["chunks"]
     frame = zstandard.ZstdCompressor().compress(np.random.default_rng(0).bytes(256 << 10))
-    with open(os.path.join(d, "2", chunk["key"]), "wb") as f:
+    assert chunk["pack_offset"] == 0  # the step's one chunk: its pack is that chunk
+    with open(os.path.join(d, "2", chunk["pack"] or chunk["key"]), "wb") as f:
         f.write(frame)
     _restamp(path, len(frame))
     with rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(

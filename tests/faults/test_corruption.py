@@ -15,6 +15,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -28,7 +29,17 @@ import pytest
 import resilient_ckpt as rc
 from resilient_ckpt.core import layout, manifest as mf
 from tests.support.corruption import abstract, assert_exact, device_state, host_state
-from tests.support.tiers import flip
+from tests.support.tiers import flip as flip_file
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Where one chunk's copy lies in a tier: a range of a pack (or a file of its own)."""
+
+    path: str
+    offset: int
+    size: int
+    key: str
 
 STEPS = (1, 2, 3)
 
@@ -46,13 +57,15 @@ class Dirs:
     def step_dir(self, tier: str, step: int) -> str:
         return os.path.join(self.roots[tier], str(step))
 
-    def chunk(self, tier: str, step: int, n: int = 0) -> str:
-        """Path of the n-th chunk (sorted by name) of the big leaf `w`."""
+    def chunk(self, tier: str, step: int, n: int = 0) -> Chunk:
+        """The n-th chunk (sorted by key) of the big leaf `w`."""
         with open(self.manifest(tier, step), "rb") as f:
             m = mf.parse(f.read())
         (w,) = [lf for lf in m.items[0].leaves if lf.path == (("key", "w"),)]
         assert len(w.chunks) == 8  # one per device
-        return os.path.join(self.step_dir(tier, step), sorted(c.key for c in w.chunks)[n])
+        c = sorted(w.chunks, key=lambda c: c.key)[n]
+        return Chunk(os.path.join(self.step_dir(tier, step), c.object), c.pack_offset,
+                     c.stored_nbytes, c.key)
 
     def manifest(self, tier: str, step: int) -> str:
         return os.path.join(self.step_dir(tier, step), layout.manifest_name(0, 1))
@@ -83,12 +96,30 @@ def dirs(tmp_path):
         shutil.rmtree(ram, ignore_errors=True)
 
 
-def truncate(path: str) -> None:
-    os.truncate(path, os.path.getsize(path) // 2)
+def truncate(where: str | Chunk) -> None:
+    """Cuts a file, or the file holding a chunk, half way through (the chunk)."""
+    if isinstance(where, Chunk):
+        os.truncate(where.path, where.offset + where.size // 2)
+    else:
+        os.truncate(where, os.path.getsize(where) // 2)
 
 
-def key_of(path: str) -> str:
-    return os.path.basename(path)
+def delete(c: Chunk) -> None:
+    """The chunk's copy gone: its pack cut where it starts (what follows it in
+    the pack goes too), or its own file removed."""
+    if c.offset:
+        os.truncate(c.path, c.offset)
+    else:
+        os.remove(c.path)
+
+
+def flip(c: Chunk, at: int | None = None) -> None:
+    """Flips a byte of the chunk (its middle one, or byte `at`) in place."""
+    flip_file(c.path, c.offset + (c.size // 2 if at is None else at))
+
+
+def key_of(c: Chunk) -> str:
+    return c.key
 
 
 def restore(m: rc.CheckpointManager, step=None) -> dict:
@@ -166,7 +197,7 @@ def test_no_intact_copy_latest_falls_back_to_older_step_with_warning(dirs, caplo
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_short_or_missing_chunk_in_one_tier_is_skipped_by_selection(dirs, damage):
     bad = dirs.chunk("ram", 3, n=1)
-    (truncate if damage == "truncate" else os.remove)(bad)
+    (truncate if damage == "truncate" else delete)(bad)
     others = dirs.digest((1, 2))
     with dirs.open() as m:
         assert m.latest_step() == 3
@@ -182,7 +213,7 @@ def test_short_or_missing_chunk_in_one_tier_is_skipped_by_selection(dirs, damage
 def test_short_or_missing_chunk_in_every_tier_makes_step_not_viable(dirs, damage):
     for tier in ("ram", "local"):
         bad = dirs.chunk(tier, 3, n=6)
-        (truncate if damage == "truncate" else os.remove)(bad)
+        (truncate if damage == "truncate" else delete)(bad)
     others = dirs.digest((1, 2))
     with dirs.open() as m:
         assert m.all_steps() == [1, 2]

@@ -350,8 +350,10 @@ def test_a_step_that_cannot_be_listed_or_asked_shows_its_reason(copy):
     assert all(isinstance(m, mf.Manifest) for s in (1, 2) for m in views[s].manifests)
     assert selection.viable({s: [v] for s, v in views.items()}, ["local"]).keys() == {1, 2}
     copied = FileStorage(copy.roots["local"], "local", create=False)
-    key = sorted(tier_steps.observe(copied, "local", naming)[3].sizes)[0]
-    asked = tier_steps.observe(local(key), "local", naming)
+    seen = tier_steps.observe(copied, "local", naming)[3]
+    key = sorted(seen.sizes)[0]
+    held_in = next(c.object for m in seen.manifests for _, _, c in m.chunks() if c.key == key)
+    asked = tier_steps.observe(local(held_in), "local", naming)
     assert asked[3].sizes[key] is None  # no usable copy of that chunk here
     assert selection.viable({s: [v] for s, v in asked.items()}, ["local"]).keys() == {1, 2}
 

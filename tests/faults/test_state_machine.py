@@ -50,6 +50,9 @@ class Step:
 
     seed: int
     keys: list[str]
+    # chunk -> (the file holding it, its offset there, its size): the same in
+    # both tiers (one writer's chunks are packed alike wherever they go)
+    places: dict[str, tuple[str, int, int]]
     bad: dict[str, set[str]]  # tier -> chunks whose copy there is damaged
     torn: set[str]  # tiers whose manifest is damaged
     # (tier, file) -> byte offsets flipped an odd number of times: flipping a
@@ -110,8 +113,10 @@ class Checkpoints(RuleBasedStateMachine):
         assert self.m.save(step, args=ocp.args.StandardSave(_writer.state(self.seeds)))
         self.m.wait_until_finished()
         with open(os.path.join(self._dir("local", step), layout.manifest_name(0, 1)), "rb") as f:
-            keys = [c.key for _, _, c in mf.parse(f.read()).chunks()]
-        self.model[step] = Step(self.seeds, keys, {t: set() for t in TIERS}, set())
+            chunks = [c for _, _, c in mf.parse(f.read()).chunks()]
+        self.model[step] = Step(self.seeds, [c.key for c in chunks],
+                                {c.key: (c.object, c.pack_offset, c.stored_nbytes)
+                                 for c in chunks}, {t: set() for t in TIERS}, set())
         self.next_step += 1
 
     @rule(tiers=st.sampled_from([("ram",), ("local",), TIERS]))
@@ -144,12 +149,13 @@ class Checkpoints(RuleBasedStateMachine):
         m = self.model[step]
         if what < 0:
             name, at = layout.manifest_name(0, 1), 0
+            held_in, start = name, 0
         else:
             name = sorted(m.keys)[what % len(m.keys)]
-            at = data.draw(st.integers(0, os.path.getsize(os.path.join(
-                self._dir(tier, step), name)) - 1))
+            held_in, start, size = m.places[name]  # a range of a pack
+            at = data.draw(st.integers(0, size - 1))
         m.flip(tier, name, at, manifest=what < 0)
-        _flip(os.path.join(self._dir(tier, step), name), at)
+        _flip(os.path.join(self._dir(tier, step), held_in), start + at)
         self.m.reload()  # the manager sees the damage as a reader opening now would
 
     @precondition(lambda self: self.model)

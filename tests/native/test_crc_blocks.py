@@ -27,7 +27,7 @@ from resilient_ckpt import (
     RamTier,
 )
 from resilient_ckpt.native import crc32c
-from tests.support import effort
+from tests.support import effort, packs
 
 
 @given(a=st.binary(max_size=3000), b=st.binary(max_size=3000), seed=st.integers(0, 2**32 - 1))
@@ -88,9 +88,11 @@ def saved():
 def spoil(tier_dir: str, row: int) -> str:
     """Flips a byte of row `row` of the chunk holding rows 576-1151; its key."""
     d = os.path.join(tier_dir, "1")
-    (key,) = [n for n in os.listdir(d) if n.endswith(".576_0")]
-    with open(os.path.join(d, key), "r+b") as f:
-        f.seek((row - 576) * COLS * 4 + 123)
+    where = packs.places(d)
+    (key,) = [k for k in where if k.endswith(".576_0")]
+    path, at, _ = where[key]  # a range of a pack
+    with open(path, "r+b") as f:
+        f.seek(at + (row - 576) * COLS * 4 + 123)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x40]))

@@ -29,7 +29,7 @@ from resilient_ckpt import (
     RamTier,
     StepNotFoundError,
 )
-from tests.support import effort
+from tests.support import effort, packs
 
 STEPS = (1, 2, 3)
 
@@ -42,14 +42,20 @@ def state_for(step, mesh):
 
 
 def chunk_files(mngr, step):
-    """{(tier, chunk key): path} for every chunk copy of a step."""
+    """{(tier, chunk key): (path, offset, size)} for every chunk copy of a step."""
     out = {}
     for t in mngr.tiers:
         d = os.path.join(t.storage.root, str(step))
-        for name in os.listdir(d) if os.path.isdir(d) else []:
-            if not name.startswith(("manifest", ".")):
-                out[(t.name, name)] = os.path.join(d, name)
+        if os.path.isdir(d):
+            out.update({(t.name, k): p for k, p in packs.places(d).items()})
     return out
+
+
+def _bytes(place) -> bytes:
+    path, at, n = place
+    with open(path, "rb") as f:
+        f.seek(at)
+        return f.read(n)
 
 
 @settings(max_examples=effort.examples(12), deadline=None,
@@ -73,15 +79,17 @@ def test_restore_latest_falls_back_past_corrupt_steps(mesh, data):
             victims = data.draw(st.lists(st.sampled_from(sorted(files[s])), unique=True,
                                          max_size=len(files[s])), label=f"corrupt@{s}")
             for tier_key in victims:
-                with open(files[s][tier_key], "r+b") as f:
+                path, at, _ = files[s][tier_key]
+                with open(path, "r+b") as f:
+                    f.seek(at)
                     b = f.read(1)
-                    f.seek(0)
+                    f.seek(at)
                     f.write(bytes([b[0] ^ 0xFF]))
 
         def intact(s):
             for key, crc in crcs[s].items():
                 copies = [p for (t, k), p in files[s].items() if k == key]
-                if not any(google_crc32c.value(open(p, "rb").read()) == crc for p in copies):
+                if not any(google_crc32c.value(_bytes(p)) == crc for p in copies):
                     return False
             return True
 

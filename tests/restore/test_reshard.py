@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
 from resilient_ckpt.core.sharding import index_to_box
 from resilient_ckpt.restore.assemble import ChunkReader, RestoreRecord, _read_boxes
-from tests.support import effort
+from tests.support import effort, packs
 
 DEVICES = jax.devices()
 STEP = itertools.count()
@@ -144,19 +144,16 @@ def test_each_chunk_comes_from_the_fastest_intact_copy(dirs):
     m = saved_leaf(root, ram, state)
     m.close()
     d_ram, d_local = os.path.join(ram, "1"), os.path.join(root, "1")
-    chunks = sorted(n for n in os.listdir(d_ram)
-                    if not n.startswith(("manifest", "claim", ".")))
-    dropped = chunks[::2]
+    chunks = sorted(packs.places(d_ram))
+    dropped = chunks[::2]  # damaged in the RAM tier (a range of a pack: not unlinked)
     for n in dropped:
-        os.unlink(os.path.join(d_ram, n))
+        packs.overwrite(d_ram, n, 0, b"\xde\xad\xbe\xef")
     # a local copy that is never needed (its RAM copy is intact) may be corrupt
     spare = chunks[1]
-    with open(os.path.join(d_local, spare), "r+b") as f:
-        f.write(b"\xff\xff\xff\xff")
+    packs.overwrite(d_local, spare, 0, b"\xff\xff\xff\xff")
     # and one RAM copy that is needed is corrupt: its local copy serves it
     bad_ram = chunks[3]
-    with open(os.path.join(d_ram, bad_ram), "r+b") as f:
-        f.write(b"\x00\x01\x02\x03")
+    packs.overwrite(d_ram, bad_ram, 0, b"\x00\x01\x02\x03")
     m2 = CheckpointManager(root, options=CheckpointManagerOptions(
         tiers=[RamTier(path=ram), LocalTier()]))
     small = mesh_of(4, (2, 2))
@@ -170,7 +167,7 @@ def test_each_chunk_comes_from_the_fastest_intact_copy(dirs):
     rec = m2.last_restore
     from_local = {k for k, t in rec.served.items() if t == "local"}
     assert from_local == set(dropped) | {bad_ram}
-    sizes = {n: os.path.getsize(os.path.join(d_local, n)) for n in chunks}
+    sizes = {n: size for n, (_, _, size) in packs.places(d_local).items()}
     assert rec.bytes_by_tier["local"] <= sum(sizes[n] for n in from_local)
     assert any(bad_ram in f for f in rec.fallbacks)
     assert m2.latest_step() == 1
@@ -202,11 +199,8 @@ def test_ram_tier_stitches_whole_rows_without_copy_and_still_verifies(dirs):
         again = m2.restore(1, args=ocp.args.StandardRestore(target))
         assert np.array_equal(np.asarray(again["w"]), host)
     d = os.path.join(ram, "1")
-    victim = sorted(n for n in os.listdir(d)
-                    if not n.startswith(("manifest", "claim", ".")))[2]
-    with open(os.path.join(d, victim), "r+b") as f:
-        f.seek(5000)
-        f.write(b"\x13\x37")
+    victim = sorted(packs.places(d))[2]
+    packs.overwrite(d, victim, 5000, b"\x13\x37")
     with CheckpointManager(root, options=opts) as m3:
         out = m3.restore(1, args=ocp.args.StandardRestore(target))
         assert np.array_equal(np.asarray(out["w"]), host)
@@ -255,12 +249,12 @@ def test_ram_rows_of_a_leaf_map_once_in_row_order_and_only_needed_rows_are_check
     assert not first.flags.owndata and _address(second) == _address(first) + first.nbytes
     del out, first, second
     chunk2 = next(c for c in leaf.chunks if c.offsets[0] == 2 * rows // 8)
-    path = os.path.join(ram, "1", chunk2.key)
+    path = os.path.join(ram, "1", chunk2.object)
     row_bytes = cols * 4
 
     def spoil(row):
         with open(path, "r+b") as f:
-            f.seek((row - chunk2.offsets[0]) * row_bytes + 7)
+            f.seek(chunk2.pack_offset + (row - chunk2.offsets[0]) * row_bytes + 7)
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0x20]))

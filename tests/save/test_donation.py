@@ -263,31 +263,31 @@ def test_tier_failure_is_raised_once_and_training_goes_on(tmp_path, ram, next_ca
 def test_failure_mid_write_leaves_nothing_committed_looking(tmp_path, ram, monkeypatch):
     """A write that fails after some chunks are in place (a full disk). ENOSPC
     cannot be caused for real here without mounting a small file system, so
-    this test monkeypatches FileStorage.put to fail the 4th chunk written to
-    the local tier with ENOSPC, the way the real put reports it."""
+    this test monkeypatches FileStorage.put_parts to fail the 2nd pack written
+    to the local tier with ENOSPC, the way the real put reports it."""
     local = str(tmp_path / "local")
-    real_put = FileStorage.put
+    real_put = FileStorage.put_parts
     calls = {"n": 0}
 
-    def failing_put(self, key, data):
+    def failing_put(self, key, parts, size):
         if self.kind == "local" and key.startswith("2/"):
             calls["n"] += 1
-            if calls["n"] == 4:
+            if calls["n"] == 2:
                 raise self._err("write of", key, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-        return real_put(self, key, data)
+        return real_put(self, key, parts, size)
 
     state = initial_state()
     want = {1: host_copy(state)}
     with _manager(tmp_path / "ckpt", ram, local, io_threads=2) as mngr:
         mngr.save(1, args=ocp.args.StandardSave(state))
         mngr.wait_until_finished()
-        monkeypatch.setattr(FileStorage, "put", failing_put)
+        monkeypatch.setattr(FileStorage, "put_parts", failing_put)
         state = train_step(state)
         want[2] = host_copy(state)
         mngr.save(2, args=ocp.args.StandardSave(state))
         _wait_idle(mngr)
-        monkeypatch.setattr(FileStorage, "put", real_put)
-        assert calls["n"] >= 4
+        monkeypatch.setattr(FileStorage, "put_parts", real_put)
+        assert calls["n"] >= 2
         with pytest.raises(rc.SaveFailedError, match="No space left") as ei:
             mngr.check_for_errors()
         assert isinstance(ei.value.__cause__, rc.StorageError)

@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from resilient_ckpt.core import layout
 from tests.support.tiers import manager
 
 
@@ -73,17 +74,18 @@ def test_a_viewed_first_save_survives_donation_deletion_and_a_written_numpy_leaf
     save, and a numpy leaf the caller writes after `save` returned was copied;
     once written, the buffers are let go (a donation takes them again). The
     tier writes are held back until the step ran (a slow disk, which cannot
-    be made to order here: FileStorage.put waits on an event)."""
+    be made to order here: FileStorage.put_parts, which every put of a file
+    tier goes through, waits on an event)."""
     from resilient_ckpt.storage.files import FileStorage
-    gate, put = threading.Event(), FileStorage.put
+    gate, put = threading.Event(), FileStorage.put_parts
 
-    def slow_put(self, key, data):
-        if "/" in key:  # a step's chunk, not the root's records
+    def slow_put(self, key, parts, size):
+        if "/" in key:  # a step's pack or chunk, not the root's records
             assert gate.wait(60)
-        return put(self, key, data)
+        return put(self, key, parts, size)
     step_fn = jax.jit(lambda w: w * 2 + 1, donate_argnums=0)
     with manager(ram_every=1, local_every=1) as mngr:
-        monkeypatch.setattr(FileStorage, "put", slow_put)
+        monkeypatch.setattr(FileStorage, "put_parts", slow_put)
         state = _state(5)
         want = {k: np.array(v) for k, v in state.items()}
         host = np.arange(1000, dtype=np.int32)
@@ -148,13 +150,14 @@ def test_a_viewed_save_writes_the_local_tier_past_the_page_cache(tmp_path):
         assert mngr.save_records[-1].viewed
         mngr.wait_until_finished()
         step_dir = os.path.join(root, "1")
-        chunks = [os.path.join(step_dir, n) for n in os.listdir(step_dir)
-                  if os.path.getsize(os.path.join(step_dir, n)) == (2 << 20)]
-        assert len(chunks) == 8
-        for path in chunks:
+        packs = [os.path.join(step_dir, n) for n in os.listdir(step_dir)
+                 if layout.is_chunk_name(n)]
+        assert sum(os.path.getsize(p) for p in packs) == 8 * (2 << 20)  # 8 chunks, packed
+        for path in packs:
             fd = os.open(path, os.O_RDONLY)
             try:
-                assert not cached(fd, 4096), path  # not even its first page
+                for at in range(0, os.path.getsize(path), 2 << 20):  # each chunk's start
+                    assert not cached(fd, 4096, at), (path, at)  # not even its first page
             finally:
                 os.close(fd)
         got = mngr.restore(1, args=ocp.args.StandardRestore(_abstract(state)))

@@ -105,8 +105,8 @@ def test_a_lost_chunk_never_comes_back_as_data(s3, mesh, tmp_path):
         for s, st in enumerate(states):
             save(m, s, st)
             m.wait_until_finished()
-        key = next(c.key for _, _, c in m.catalog.viable()[1].manifest.chunks())
-    store(s3, url).delete(f"1/{key}")
+        key = next(c.object for _, _, c in m.catalog.viable()[1].manifest.chunks())
+    store(s3, url).delete(f"1/{key}")  # a pack, or a chunk of its own
     with CheckpointManager(tmp_path / "b", options=s3_only(s3, url)) as m:
         assert_equal(m.restore(), states[0])  # step 1 fails its read; step 0 is whole
         assert m.last_restore.step == 0 and m.latest_step() == 0

@@ -215,7 +215,7 @@ def test_two_managers_racing_for_one_step_commit_once(gcs, url, mesh):
         m.close()
     with CheckpointManager(url, options=gcs_only(url, gcs.endpoint)) as g:
         assert_equal(g.restore(7), states[winner])
-        keys = {c.key for _, _, c in g.catalog.viable()[7].manifest.chunks()}
+        keys = set(g.catalog.viable()[7].manifest.objects())
     st = GcsStorage(url, endpoint=gcs.endpoint)
     # the loser cleaned up; the winner's claim stays with the step
     assert set(st.list("7")) == keys | {"manifest.0-of-1.json", "claim.0-of-1.json"}
@@ -248,7 +248,7 @@ def test_a_damaged_gcs_step_is_skipped_on_read(gcs, url, mesh):
         for s, state in enumerate(states):
             m.save(s, args=ocp.args.StandardSave(state))
         m.wait_until_finished()
-        key = next(c.key for _, _, c in m.catalog.viable()[1].manifest.chunks())
+        key = next(c.object for _, _, c in m.catalog.viable()[1].manifest.chunks())
     st = GcsStorage(url, endpoint=gcs.endpoint)
     st.put(f"1/{key}", memoryview(b"garbage"))  # wrong size: found when read
     with CheckpointManager(url, options=gcs_only(url, gcs.endpoint)) as m:

@@ -23,6 +23,7 @@ from resilient_ckpt import (
 )
 from resilient_ckpt.native.hostmem import cached
 from resilient_ckpt.storage.files import FileStorage
+from tests.support import packs
 
 
 def evict(path):
@@ -53,9 +54,11 @@ def mapped_file(addr):
 
 
 def is_cached(path):
+    """Whether any page of the file is in the page cache (a pack holds many
+    chunks: one still cached would be mapped)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return cached(fd, os.fstat(fd).st_size)
+        return any(cached(fd, 4096, at) for at in range(0, os.fstat(fd).st_size, 4096))
     finally:
         os.close(fd)
 
@@ -143,7 +146,12 @@ def test_a_warm_local_restore_maps_the_chunk_files_and_a_cold_one_reads(tmp_path
         out = m.restore(1, args=ocp.args.StandardRestore(_abstract(state)))
     for k, v in want.items():
         assert np.array_equal(np.asarray(out[k]), v), k
-    assert _shard_files(out) == [None] * len(where)
+    # Read, not mapped: the first chunk (a buffered read of a chunk reads ahead
+    # into the next chunks of its pack, which are then cached whole and
+    # mapped, as any cached chunk is; with direct_io, the default, a cold
+    # range is read past the cache and nothing is read ahead).
+    cold = _shard_files(out)
+    assert cold[0] is None, cold
 
 
 def test_a_cached_chunk_that_fails_its_checksum_is_not_restored(tmp_path):
@@ -155,15 +163,16 @@ def test_a_cached_chunk_that_fails_its_checksum_is_not_restored(tmp_path):
     opts = CheckpointManagerOptions(tiers=[LocalTier(direct_io=False)])
     with CheckpointManager(root, options=opts) as m:
         m.save(1, args=ocp.args.StandardSave(state))
-    victim = sorted(_chunk_files(os.path.join(root, "1")))[3]
+    key = sorted(packs.places(os.path.join(root, "1")))[3]
+    victim, at, _ = packs.places(os.path.join(root, "1"))[key]
     with open(victim, "r+b") as f:  # through the page cache: the cached copy is the bad one
-        f.seek(100)
+        f.seek(at + 100)
         b = f.read(1)
-        f.seek(100)
+        f.seek(at + 100)
         f.write(bytes([b[0] ^ 1]))
     for f in _chunk_files(os.path.join(root, "1")):
         read_all(f)
     assert is_cached(victim)
     with CheckpointManager(root, options=opts) as m:
-        with pytest.raises(CorruptCheckpointError, match=os.path.basename(victim)):
+        with pytest.raises(CorruptCheckpointError, match=key):
             m.restore(1, args=ocp.args.StandardRestore(_abstract(state)))

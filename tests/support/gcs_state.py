@@ -50,7 +50,8 @@ def complete_steps(st: GcsStorage) -> set[int]:
         for mname in st.list(name, starts_with=layout.MANIFEST_PREFIX):
             m = mf.parse(st.read(f"{name}/{mname}"), mname)
             present = set(st.list(name))
-            assert all(c.key in present and st.size(f"{name}/{c.key}") == c.stored_nbytes
-                       for _, _, c in m.chunks()), f"step {name} committed without its chunks"
+            assert all(c.object in present and c.observed(st.size(f"{name}/{c.object}"))
+                       == c.stored_nbytes for _, _, c in m.chunks()), \
+                f"step {name} committed without its chunks"
             out.add(int(name))
     return out

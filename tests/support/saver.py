@@ -20,7 +20,7 @@ for a file write, with the temporary written, at its rename or link ("tmp"). It
 prints "hook PHASE POINT COUNT" just before. The phases:
 
   snapshot   snapshot.take (the device-to-host copy)
-  chunk      FileStorage.put (a chunk into the RAM or the local tier)
+  chunk      FileStorage.put_parts (a pack or a chunk into the RAM or the local tier)
   manifest   FileStorage.put_if_absent (the manifest: the commit record)
   retention  tier_steps.delete_step (a step dropped by retention); "mid": after
              its manifests are gone, before the rest of the step is
@@ -52,7 +52,7 @@ POINTS = {"snapshot": ("before", "during", "after"),
 SPAN_S = {"snapshot": 0.004, "chunk": 0.002, "manifest": 0.001, "retention": 0.003,
           "upload": 0.03}
 # RC_KILL_COUNT is drawn from 1..COUNTS[phase]: a few saves' worth of calls.
-COUNTS = {"snapshot": 4, "chunk": 70, "manifest": 6, "retention": 5, "upload": 40}
+COUNTS = {"snapshot": 4, "chunk": 20, "manifest": 6, "retention": 5, "upload": 40}
 
 
 def make_state(step: int) -> dict:
@@ -159,11 +159,12 @@ def install_hook(phase: str, count: int, point: str, seed: int) -> None:
         take = snapshot.take
         snapshot.take = lambda *a, **k: hook.run(lambda: take(*a, **k))
     elif phase in ("chunk", "manifest"):
-        name = "put" if phase == "chunk" else "put_if_absent"
+        # every put of a file tier (a pack, a chunk of its own) is a put_parts
+        name = "put_parts" if phase == "chunk" else "put_if_absent"
         orig = getattr(FileStorage, name)
 
-        def wrapped(self, key, data):
-            return hook.run(lambda: orig(self, key, data), tmp=True)
+        def wrapped(self, key, *a):
+            return hook.run(lambda: orig(self, key, *a), tmp=True)
         setattr(FileStorage, name, wrapped)
         _arm_renames()
     elif phase == "retention":
