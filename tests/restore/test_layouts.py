@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
+from tests.support import packs
 
 DEVICES = jax.devices()
 SHAPE = (48, 16)
@@ -100,9 +101,7 @@ def test_a_bad_chunk_of_one_leaf_falls_back_alone_among_leaves_of_its_layout(dir
         leaves = {lf.path[-1][1]: lf for lf in
                   m.catalog.viable()[1].manifest.items[0].leaves}
     victim = leaves["a2"].chunks[3].key
-    with open(os.path.join(ram, "1", victim), "r+b") as f:
-        f.seek(8)
-        f.write(b"\x13\x37")
+    packs.overwrite(os.path.join(ram, "1"), victim, 8, b"\x13\x37")
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
               for k, v in state.items()}
     with CheckpointManager(root, options=opts) as m:
