@@ -25,6 +25,16 @@ import resilient_ckpt as rc  # noqa: E402
 from tests.support.parity import OURS, run_both  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _orbax_gives_up_soon(monkeypatch):
+    """An Orbax save that raises part-way (the error cases below) leaves its
+    commit thread waiting for a signal that never comes, for Orbax's
+    coordination timeout (300 s): the test process then waits that long at
+    exit. Here it waits 10 s."""
+    from orbax.checkpoint._src.multihost import multihost
+    monkeypatch.setattr(multihost, "_DEFAULT_BARRIER_TIMEOUT", 10)
+
+
 def _tree(i: int) -> dict:
     return {"a": np.arange(8, dtype=np.float32) + i, "b": {"c": np.full((2, 3), i, np.int32)}}
 
