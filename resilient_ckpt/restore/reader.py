@@ -36,6 +36,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..native import crc32c
 from ..native.hostmem import PAGE, BufferPool, Region, host_buffer
 from ..storage.base import Storage
+from .readahead import ReadAhead
 
 
 @dataclasses.dataclass
@@ -68,8 +69,16 @@ class ChunkReader:
     def __init__(self, storages: Mapping[str, Storage], naming: layout.StepNaming,
                  choice: Choice, bad: set, record: RestoreRecord,
                  budget: int = 256 * 1024 * 1024):
-        self.storages, self.choice, self.bad, self.record = storages, choice, bad, record
+        self.choice, self.bad, self.record = choice, bad, record
         self.dir = naming.name(choice.step)
+        # A remote tier's small reads come from a few larger ones (readahead.py).
+        extents: dict[str, int] = {}
+        for _, _, c in choice.manifest.chunks():
+            if c.pack is not None:
+                key = self._key(c)
+                extents[key] = max(extents.get(key, 0), c.pack_offset + c.stored_nbytes)
+        self.storages = {n: ReadAhead(st, extents) if st.sizes_from_manifest and extents
+                         else st for n, st in storages.items()}
         self.budget = max(1, budget)
         self._staging: np.ndarray | None = None
         self._lock = threading.Lock()

@@ -92,28 +92,33 @@ def test_a_small_step_is_a_few_files_in_each_file_tier(tmp_path, ram_path):
 
 @pytest.mark.slow
 def test_the_decoder_state_takes_a_few_objects_per_step_in_every_tier(tmp_path, ram_path,
-                                                                       gcs, url):
+                                                                       gcs, url, s3):
     """The decoder state (876 leaves, about 5,600 chunks on 8 devices; about
     22 MB at its smallest): at most 8 objects plus one per 256 MB in each of
-    the RAM, local and GCS tiers (packs, the manifest, the claim)."""
+    the RAM, local, GCS and S3 tiers (packs, the manifest, the claim)."""
     from bench.harness.state import build_state, make_mesh, same_values, tree_bytes
+    from resilient_ckpt.storage.fsspec_store import FsspecStorage
     state = build_state("decoder", 1 << 20, make_mesh(4, 2))
     nbytes = tree_bytes(state)
     bound = 8 + -(-nbytes // 256_000_000)
     root = str(tmp_path / "ckpt")
+    s3_url = f"s3://{s3.bucket()}/run"
     gcs_tier = rc.GcsTier(url, endpoint=gcs.endpoint, every=1)
-    with rc.CheckpointManager(root, options=_tiers(root, ram_path, gcs_tier)) as m:
+    s3_tier = rc.FsspecTier(s3_url, storage_options=s3.options(), every=1)
+    with rc.CheckpointManager(root, options=_tiers(root, ram_path, gcs_tier, s3_tier)) as m:
         assert m.save(1, args=ocp.args.StandardSave(state))
         m.wait_until_finished()
         n_chunks = len(list(m.catalog.viable()[1].manifest.chunks()))
     assert n_chunks > 5000
     counts = {"ram": len(os.listdir(os.path.join(ram_path, "1"))),
               "local": len(os.listdir(os.path.join(root, "1"))),
-              "gcs": len(GcsStorage(url, endpoint=gcs.endpoint).list("1"))}
+              "gcs": len(GcsStorage(url, endpoint=gcs.endpoint).list("1")),
+              "s3": len(FsspecStorage(s3_url, s3.options()).list("1"))}
     assert all(n <= bound for n in counts.values()), (counts, bound)
-    for tier in ("ram", "local", "gcs"):
+    for tier in ("ram", "local", "gcs", "s3"):
         tiers = {"ram": [rc.RamTier(path=ram_path)], "local": [rc.LocalTier()],
-                 "gcs": [rc.GcsTier(url, endpoint=gcs.endpoint)]}[tier]
+                 "gcs": [rc.GcsTier(url, endpoint=gcs.endpoint)],
+                 "s3": [rc.FsspecTier(s3_url, storage_options=s3.options())]}[tier]
         with rc.CheckpointManager(root, options=rc.CheckpointManagerOptions(
                 tiers=tiers)) as m:
             got = m.restore(1, args=ocp.args.StandardRestore(state))
