@@ -47,6 +47,11 @@ def test_plan_rejects_gaps_and_overlaps():
 
 
 dims = st.integers(1, 7)
+# (shape, the saved chunks' cuts per dimension, the targets' cuts per dimension)
+cut_grids = st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
+    st.just(tuple(shape)),
+    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]),
+    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape])))
 
 
 @given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
@@ -72,10 +77,7 @@ def test_plan_covers_every_target_element_exactly_once(case):
         assert sum(p.elements for p in plan.pieces) == int(np.prod(t.sizes))
 
 
-@given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
-    st.just(tuple(shape)),
-    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]),
-    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]))))
+@given(cut_grids)
 def test_planning_many_boxes_at_once_agrees_with_one_at_a_time(case):
     # The short path (a box that is one chunk) must give what the full
     # comparison gives, for boxes that are chunks, cross chunks or hold several.
@@ -98,10 +100,7 @@ def other_leaf(chunks, name):
                                 stored_nbytes=c.stored_nbytes * 2) for c in chunks]
 
 
-@given(st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(
-    st.just(tuple(shape)),
-    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]),
-    st.tuples(*[st.lists(st.integers(0, n), max_size=3) for n in shape]))))
+@given(cut_grids)
 def test_a_layout_planned_once_gives_each_leaf_its_own_fresh_plan(case):
     # Boxes that are chunks, cross chunks or hold several: the plan kept from
     # one leaf, given another leaf's chunks, is what planning that leaf anew gives.

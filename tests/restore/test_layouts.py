@@ -5,14 +5,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import shutil
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
@@ -20,14 +17,6 @@ from tests.support import packs
 
 DEVICES = jax.devices()
 SHAPE = (48, 16)
-
-
-@pytest.fixture
-def dirs():
-    root, ram = tempfile.mkdtemp(), tempfile.mkdtemp(dir="/dev/shm")
-    yield root, ram
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(ram, ignore_errors=True)
 
 
 def mesh(n, shape, names):

@@ -4,14 +4,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import itertools
-import shutil
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -44,14 +41,6 @@ def layouts(draw):
 def factor(mesh, spec, dim):
     name = spec[dim] if dim < len(spec) else None
     return mesh.shape[name] if name else 1
-
-
-@pytest.fixture
-def dirs():
-    root, ram = tempfile.mkdtemp(), tempfile.mkdtemp(dir="/dev/shm")
-    yield root, ram
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(ram, ignore_errors=True)
 
 
 def random_array(rng, shape, dtype):
