@@ -3,12 +3,13 @@ and writing one pack.
 
 A tier then holds a few objects per process and step rather than one per
 chunk (an object store limits and bills requests per object). In order, a
-pack takes chunks until it holds its target (PACK_BYTES, or a fifth of the
-packed bytes when they are fewer, but at least MIN_TARGET: a small step
-still writes a few packs side by side, a tiny one a single pack), so every
-pack but the last holds at least its target and a process's step is at most
-6 packs plus one per PACK_BYTES; with its manifest and claim, at most 8
-objects plus one per PACK_BYTES. A chunk of PACK_BYTES or more is its own
+pack takes chunks until it holds its target (PACK_BYTES, or the packed
+bytes over `share` when they are fewer, but at least MIN_TARGET: a step
+still writes several packs side by side, 5 to 8 as it grows, a tiny one a
+single pack), so every pack but the last holds at least its target and a
+process's step is at most `share` + 1 packs, or one more than its packed
+bytes in PACK_BYTES; with its manifest and claim, at most 8 objects plus
+one per PACK_BYTES. A chunk of PACK_BYTES or more is its own
 object, as in format 2. (Bytes here count each packed chunk in whole pages:
 a step of very many chunks smaller than a page takes more.) Every chunk in a
 pack starts on `manifest.PACK_ALIGN`, so a range of it can be mapped (the
@@ -35,8 +36,16 @@ from ..storage.base import Storage
 from . import transfer
 
 PACK_BYTES = 256 << 20
-SHARE = 5  # a small step's packed bytes go in about this many packs,
-MIN_TARGET = 4 << 20  # ... each of at least this many bytes (a tiny step: one pack)
+SHARE = 5  # a small step's packed bytes go in about this many packs (more for a big
+MIN_TARGET = 4 << 20  # step, `share`), each of at least this many bytes (a tiny step: one)
+
+
+def share(small: int) -> int:
+    """How many packs a step of `small` packed bytes is cut into (before the
+    PACK_BYTES cap): SHARE, and one more for each PACK_BYTES up to 8, so a
+    big step is written by as many threads as a tier has (io_threads) while
+    the objects stay within 8 plus one per PACK_BYTES."""
+    return SHARE + min(3, small // PACK_BYTES)
 
 
 def align(n: int) -> int:
@@ -47,7 +56,7 @@ def plan(nbytes: Sequence[int]) -> list[list[int]]:
     """Chunk indices (in order) grouped into packs; a group of one chunk of
     PACK_BYTES or more is that chunk unpacked (`packed` says which)."""
     small = sum(align(n) for n in nbytes if n < PACK_BYTES)  # a chunk takes whole pages
-    target = max(1, min(PACK_BYTES, max(MIN_TARGET, -(-small // SHARE))))
+    target = max(1, min(PACK_BYTES, max(MIN_TARGET, -(-small // share(small)))))
     groups: list[list[int]] = []
     run: list[int] = []
     size = 0

@@ -65,17 +65,21 @@ def _chunk_docs(doc):
 
 def test_packing_plan_bounds_the_objects_of_any_step():
     """Every pack but the last holds its target, so a process's step takes at
-    most SHARE packs, or one more than its bytes in PACK_BYTES; chunks of a
-    pack's size stand alone."""
+    most `packing.share` packs plus one, or one more than its bytes in
+    PACK_BYTES; chunks of a pack's size stand alone. With the manifest and
+    the claim: at most 8 objects plus one per PACK_BYTES."""
     big = packing.PACK_BYTES
     for sizes in ([10] * 5000, [big // 3] * 40, [big - 1] * 9, [big, 5, big * 2, 7],
-                  [0] * 3, [big // 2 + 1] * 20, []):
+                  [0] * 3, [big // 2 + 1] * 20, [], [big // 40] * 41, [big // 100] * 250,
+                  [big // 100] * 520, [big // 100] * 800):
         groups = packing.plan(sizes)
         assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
         small = sum(packing.align(n) for n in sizes if n < big)  # whole pages each
         n_packs = sum(packing.packed(g, sizes) for g in groups)
-        assert n_packs <= max(packing.SHARE + 1, small // big + 1), sizes[:3]
+        assert n_packs <= max(packing.share(small) + 1, small // big + 1), sizes[:3]
         assert len(groups) - n_packs == sum(n >= big for n in sizes)
+        stored = small + sum(n for n in sizes if n >= big)
+        assert len(groups) + 2 <= 8 + -(-stored // big), sizes[:3]
         for g in groups:
             at, size = packing.offsets([sizes[i] for i in g])
             assert all(a % mf.PACK_ALIGN == 0 for a in at)
