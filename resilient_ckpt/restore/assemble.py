@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -430,6 +431,23 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
                       tgt.into, layouts)
 
 
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """No garbage collection within the block (nested blocks: the outermost
+    one resumes it). A restore makes futures, views and records per chunk,
+    thousands for a model's state, which set off a collection every few
+    leaves, and jax's hook on each collection walks its live buffers
+    (several ms each); what the block allocates is freed by refcount, and
+    the counts carry over, so at most one collection follows it."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
                    reader: ChunkReader, item: str = "") -> list[Any]:
     """The leaves of `records` restored onto `targets`: every leaf's reads
@@ -437,21 +455,13 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
     read and checksum ahead while this one places arrays."""
     t0 = time.perf_counter()
     started, layouts = [], Layouts()
-    # No garbage collection meanwhile: the futures and views made here set it
-    # off every few leaves, and jax's hook runs on each collection. What this
-    # allocates is freed by refcount.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collections_paused():
         for rec, tgt in zip(records, targets, strict=True):
             # (named by item too, past the default one: leaves of two items may share paths)
             where = f"item {item!r}, leaf {path_str(rec.path)}" \
                 if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
             started.append(start_leaf(rec, tgt, reader, where, layouts))
         out = [finish() for finish in started]
-    finally:
-        if collecting:
-            gc.enable()
     for a in out:
         if isinstance(a, jax.Array):
             a.block_until_ready()
@@ -492,8 +502,9 @@ def restore_choice(choice: Choice, storages: Mapping[str, Storage], naming: layo
             requests = {n: args_lib.RestoreRequest("any") for n in names}
             is_composite = names != [args_lib.DEFAULT_ITEM]
         out = {}
-        for name, req in requests.items():
-            out[name] = req.finish(_restore_item(m.item(name), req, reader, choice.step))
+        with collections_paused():  # the targets' flattening too
+            for name, req in requests.items():
+                out[name] = req.finish(_restore_item(m.item(name), req, reader, choice.step))
     finally:
         reader.close()
         if bar is not None:

@@ -81,6 +81,9 @@ class _Walker:
     # Directories kept open by `holding`, by their parts (several holders each).
     _held: dict[tuple[str, ...], list[int]]
     _hold_lock: threading.Lock
+    # Whole objects mapped once while their directory is held, by its parts
+    # then name (`FileStorage.map`): a pack's chunks are views of one mapping.
+    _whole: dict[tuple[str, ...], dict[str, np.ndarray | None]]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -197,6 +200,7 @@ class _Walker:
                 self._held[parts].remove(fd)
                 if not self._held[parts]:
                     del self._held[parts]
+                    self._whole.pop(parts, None)  # the restored arrays keep their views
             os.close(fd)
 
     @contextlib.contextmanager
@@ -253,7 +257,7 @@ class FileStorage(_Walker, Storage):
         elif create:
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
-        self._held, self._hold_lock = {}, threading.Lock()
+        self._held, self._hold_lock, self._whole = {}, threading.Lock(), {}
         # Saves in progress (their batches: durable.py), by step directory.
         self._batches: dict[str, durable.Batch] = {}
         self._batch_lock = threading.Lock()
@@ -505,6 +509,12 @@ class FileStorage(_Walker, Storage):
                 offset % mmap.ALLOCATIONGRANULARITY:
             return None
 
+        if self.zero_copy:
+            whole = self._held_whole(key)
+            if whole is not False:  # the directory is held: a view of the mapped object
+                return whole[offset:offset + nbytes] \
+                    if whole is not None and len(whole) >= offset + nbytes else None
+
         def open_map(fd: int):
             if not (self.zero_copy or hostmem.cached(fd, nbytes, offset)):
                 return False
@@ -512,6 +522,27 @@ class FileStorage(_Walker, Storage):
                              prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
         m = self._with_fd(key, offset + nbytes, open_map)
         return np.frombuffer(m, dtype=np.uint8) if isinstance(m, mmap.mmap) else None
+
+    def _held_whole(self, key: str) -> np.ndarray | None | bool:
+        """A zero-copy tier's object mapped whole, once while `holding` keeps its
+        directory open (a step of packs is a few objects holding thousands of
+        chunks: a mapping per chunk cost an open, a stat and an mmap each);
+        None where it is empty, False where its directory is not held."""
+        dirs, name = self._split(key)
+        parts = tuple(dirs)
+        with self._hold_lock:
+            if parts not in self._held:
+                return False
+            maps = self._whole.get(parts, {})
+            if name in maps:
+                return maps[name]
+        whole = self._with_fd(key, 1, lambda fd: np.frombuffer(mmap.mmap(
+            fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE),
+            dtype=np.uint8))
+        with self._hold_lock:  # kept only while still held (the holder may have ended)
+            if parts in self._held:
+                whole = self._whole.setdefault(parts, {}).setdefault(name, whole)
+        return whole
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:

@@ -531,3 +531,40 @@ def test_reads_under_a_held_step_directory_skip_the_walk_and_still_refuse_links(
     assert s._held == {}
     walks.clear()
     assert s.read("1/a") == b"abcdefgh" and walks == [["1"]]  # walked again
+
+
+def test_a_held_steps_objects_are_mapped_once_and_keep_the_bytes_they_were_opened_on(
+        tmp_path, monkeypatch):
+    # On a zero-copy tier, while a restore holds a step, each object (a pack of
+    # thousands of chunks) is mapped once and its chunks are views of that
+    # mapping: one open per object, not per chunk, with the same refusals,
+    # and the views outlive the hold, a replacement and a delete alike.
+    s = FileStorage(str(tmp_path), "ram", fsync=False, zero_copy=True)
+    page = mmap.ALLOCATIONGRANULARITY
+    s.put("1/pack", memoryview(bytes(range(256)) * (3 * page // 256)))
+    s.put("1/empty", memoryview(b""))
+    (tmp_path / "outside").write_bytes(b"x" * page)
+    os.symlink(tmp_path / "outside", tmp_path / "1" / "link")
+    os.mkfifo(tmp_path / "1" / "fifo")
+    opens = []
+    real = files_mod._Walker._open_in
+    monkeypatch.setattr(files_mod._Walker, "_open_in",
+                        lambda self, dirs, name: opens.append(name) or real(self, dirs, name))
+    with s.holding("1"):
+        views = [s.map("1/pack", page, i * page) for i in range(3)]
+        assert opens == ["pack"]  # three chunks, one open and one mapping
+        assert [bytes(v[:4]) for v in views] == [bytes(range(4))] * 3
+        assert s.map("1/pack", 2 * page, 2 * page) is None  # runs past the end: no copy
+        assert s.map("1/empty", page) is None
+        for key, why in (("1/link", "symbolic link"), ("1/fifo", "not a regular file")):
+            with pytest.raises(StorageError, match=why):
+                s.map(key, page)
+        os.replace(tmp_path / "1" / "pack", tmp_path / "1" / "old")
+        s.put("1/pack", memoryview(b"\xff" * 3 * page))  # replaced by rename meanwhile
+        assert bytes(s.map("1/pack", 4)) == bytes(range(4))  # the bytes it was opened on
+        views[0][0] = 99  # copy-on-write: the view's own writes reach no file
+    assert (tmp_path / "1" / "old").read_bytes()[0] == 0
+    assert s._whole == {}  # dropped with the hold
+    os.remove(tmp_path / "1" / "old")
+    assert bytes(views[1][:4]) == bytes(range(4))  # a deleted object's view lives on
+    assert bytes(s.map("1/pack", 4)) == b"\xff" * 4  # unheld: mapped afresh, the new bytes
