@@ -510,8 +510,8 @@ class FileStorage(_Walker, Storage):
             return None
 
         if self.zero_copy:
-            whole = self._held_whole(key)
-            if whole is not False:  # the directory is held: a view of the mapped object
+            held, whole = self._held_whole(key)
+            if held:  # a view of the object mapped whole
                 return whole[offset:offset + nbytes] \
                     if whole is not None and len(whole) >= offset + nbytes else None
 
@@ -523,26 +523,26 @@ class FileStorage(_Walker, Storage):
         m = self._with_fd(key, offset + nbytes, open_map)
         return np.frombuffer(m, dtype=np.uint8) if isinstance(m, mmap.mmap) else None
 
-    def _held_whole(self, key: str) -> np.ndarray | None | bool:
+    def _held_whole(self, key: str) -> tuple[bool, np.ndarray | None]:
         """A zero-copy tier's object mapped whole, once while `holding` keeps its
         directory open (a step of packs is a few objects holding thousands of
-        chunks: a mapping per chunk cost an open, a stat and an mmap each);
-        None where it is empty, False where its directory is not held."""
+        chunks: a mapping per chunk cost an open, a stat and an mmap each):
+        (whether its directory is held, the mapping or None where it is empty)."""
         dirs, name = self._split(key)
         parts = tuple(dirs)
         with self._hold_lock:
             if parts not in self._held:
-                return False
+                return False, None
             maps = self._whole.get(parts, {})
             if name in maps:
-                return maps[name]
+                return True, maps[name]
         whole = self._with_fd(key, 1, lambda fd: np.frombuffer(mmap.mmap(
             fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE),
             dtype=np.uint8))
         with self._hold_lock:  # kept only while still held (the holder may have ended)
             if parts in self._held:
                 whole = self._whole.setdefault(parts, {}).setdefault(name, whole)
-        return whole
+        return True, whole
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,
               length: int) -> bool:
