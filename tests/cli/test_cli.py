@@ -220,11 +220,14 @@ def test_a_gcs_tier_is_listed_and_verified(gcs, url, tmp_path, ram_path, mesh):
     assert js("verify", d, "--tier", f"gcs={url}", "-q", env=env)["chunks"] == 18
     bare = js("ls", url, env=env)  # a gs:// directory alone: its one GCS tier
     assert [t["name"] for t in bare["tiers"]] == ["gcs"] and bare["steps"][0]["viable"]
-    victim = chunks(pathlib.Path(ram_path) / "1")[0]
+    ram1 = str(pathlib.Path(ram_path) / "1")
+    victim = chunks(ram1)[0]  # a pack: every chunk in it goes missing from GCS, RAM keeps them
+    inside = sorted(k for k, (p, _, _) in packs.places(ram1).items()
+                    if os.path.basename(p) == victim)
     GcsStorage(url, endpoint=gcs.endpoint).delete(f"1/{victim}")
     out = js("verify", d, 1, "-q", "--tier", f"gcs={url}", code=1, env=env)
-    assert [(x["tier"], x["key"]) for x in out["defects"]] == [("gcs", victim)]
-    assert "missing" in out["defects"][0]["problem"]
+    assert sorted((x["tier"], x["key"]) for x in out["defects"]) == [("gcs", k) for k in inside]
+    assert all(f"missing (its pack {victim})" in x["problem"] for x in out["defects"])
 
 
 def dead_writer():
