@@ -101,7 +101,7 @@ def _x8n(nbytes: int) -> int:
     return s
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=128)
 def _tables(nbytes: int) -> tuple[list[int], ...]:
     """Byte tables of crc -> crc * x^(8 nbytes) (linear in crc: four lookups
     instead of a multiplication), for the blocks of one size."""
@@ -137,6 +137,30 @@ def combined(crcs: Sequence[int], block_bytes: int, nbytes: int) -> int:
         else:
             out = combine(out, crcs[i], n)
     return out
+
+
+# A run of pieces with more distinct lengths than this is not combined:
+# each length's tables cost about 0.6 ms to build (kept for 128 lengths).
+MAX_LENGTHS = 64
+
+
+def concatenated(parts: Sequence[tuple[int, int]]) -> int:
+    """The CRC32C of consecutive pieces whose (CRC32C, length) are `parts`, in
+    order: four table lookups a piece, for pieces of a few distinct lengths
+    (a pack's chunks and the zeros between them)."""
+    out = 0
+    for crc, n in parts:
+        if n:
+            t = _tables(n)
+            out = (t[0][out & 255] ^ t[1][(out >> 8) & 255] ^ t[2][(out >> 16) & 255]
+                   ^ t[3][out >> 24] ^ crc)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)  # a gap before an aligned offset: under 4 KiB
+def zeros(nbytes: int) -> int:
+    """The CRC32C of `nbytes` zero bytes."""
+    return google_crc32c.value(bytes(nbytes))
 
 
 def bad_block(data: Any, block_bytes: int, want: Sequence[int]) -> int | None:

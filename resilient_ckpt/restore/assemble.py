@@ -214,10 +214,11 @@ def _start_whole(reader: ChunkReader, c: ChunkRecord, where: str, zero_copy: boo
     the reader's pool, or done on this thread for a small chunk mapped from
     the RAM tier: on the pool its few system calls each waited for the GIL
     while this thread planned the next leaves."""
-    if out is not None or c.stored_nbytes > INLINE_BYTES:
+    defer = out is None and reader.deferring  # mapped here, checked in bulk later
+    if not defer and (out is not None or c.stored_nbytes > INLINE_BYTES):
         return reader.pool.submit(reader.whole, c, where, zero_copy, out)
     try:
-        return _Ready(reader.whole(c, where, zero_copy, out))
+        return _Ready(reader.whole(c, where, zero_copy, out, defer))
     except Exception as e:  # raised where the caller waits, as from the pool
         return _Ready(error=e)
 
@@ -284,19 +285,24 @@ class Targets:
     # id(index) -> (index, box) for the indices jax hands `_place`'s callback:
     # those of the map it caches per (sharding, shape), held here.
     of_index: dict
+    devices: list  # this process's devices, in the map's order
+    boxes: list  # the box of each of them
+    avals: dict = dataclasses.field(default_factory=dict)  # dtype -> the leaf's aval
 
     @classmethod
     def of(cls, sharding: jax.sharding.Sharding, shape: tuple) -> Targets:
-        by_box, of_index = collections.defaultdict(list), {}
+        by_box, of_index, devices, boxes = collections.defaultdict(list), {}, [], []
         for d, idx in sharding.addressable_devices_indices_map(shape).items():
             # jax annotates the map's values `Index | None`, but each is a subset of
             # devices_indices_map's, which are never None.
             box = index_to_box(idx, shape)  # type: ignore[arg-type]
             by_box[box].append(d)
             of_index[id(idx)] = (idx, box)
+            devices.append(d)
+            boxes.append(box)
         # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
         cpu = all(d.platform == "cpu" for ds in by_box.values() for d in ds)  # type: ignore[attr-defined]
-        return cls(dict(by_box), cpu, of_index)
+        return cls(dict(by_box), cpu, of_index, devices, boxes)
 
     def box(self, index: tuple, shape: tuple) -> Box:
         """The box of a shard index: looked up when it is one of the map's."""
@@ -389,9 +395,35 @@ def _place(shape: tuple, sharding: jax.sharding.Sharding, host: dict, targets: T
     devices' the same one where a box is replicated, as jax's own device_put
     of a numpy array does: XLA never writes into memory it does not own (a
     donated aliased shard gets a new buffer; tests/save/test_donation.py)."""
+    global _batched_put
+    if _batched_put is not None and targets.boxes:
+        values = [host[b] for b in targets.boxes]
+        dtype = values[0].dtype
+        if not jnp.issubdtype(dtype, jax.dtypes.extended):
+            try:
+                aval = targets.avals.get(dtype)
+                if aval is None:
+                    aval = targets.avals[dtype] = _core.update_aval_with_sharding(
+                        _core.ShapedArray(shape, dtype), sharding)
+                return _batched_put(aval, sharding, values, targets.devices)
+            except (TypeError, AttributeError):  # another jax: its public way from now on
+                _batched_put = None
     # (jax annotates the index `Index | None`; it never passes None.)
     return jax.make_array_from_callback(
         shape, sharding, lambda index: host[targets.box(index, shape)])  # type: ignore[arg-type]
+
+
+# jax's make_array_from_callback ends in this batched put, after about 65 us a
+# leaf of checks in Python (its callback's answers' types, dtypes and shapes)
+# that boxes of the planned shape and dtype never fail: a thousand leaves'
+# 60 ms. Private (jax 0.10): where it is missing or refuses its arguments,
+# the public call is used.
+_batched_put: Callable[..., jax.Array] | None
+try:
+    from jax._src import core as _core
+    from jax._src.interpreters.pxla import batched_device_put as _batched_put
+except ImportError:  # pragma: no cover - another jax
+    _batched_put = None
 
 
 def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
@@ -452,16 +484,29 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
                    reader: ChunkReader, item: str = "") -> list[Any]:
     """The leaves of `records` restored onto `targets`: every leaf's reads
     are started before the first leaf is assembled, so the reader's threads
-    read and checksum ahead while this one places arrays."""
+    read and checksum ahead while this one places arrays. The checks of the
+    chunks mapped meanwhile (the RAM tier's) are deferred and run on the pool
+    while the arrays are placed (`ChunkReader.check_deferred`); a leaf with
+    a copy that fails is read again, from the next copies, before any leaf
+    is returned."""
     t0 = time.perf_counter()
     started, layouts = [], Layouts()
+    # (named by item too, past the default one: leaves of two items may share paths)
+    wheres = [f"item {item!r}, leaf {path_str(rec.path)}"
+              if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
+              for rec in records]
     with collections_paused():
-        for rec, tgt in zip(records, targets, strict=True):
-            # (named by item too, past the default one: leaves of two items may share paths)
-            where = f"item {item!r}, leaf {path_str(rec.path)}" \
-                if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
-            started.append(start_leaf(rec, tgt, reader, where, layouts))
+        reader.defer_checks()
+        try:
+            for rec, tgt, where in zip(records, targets, wheres, strict=True):
+                started.append(start_leaf(rec, tgt, reader, where, layouts))
+        finally:
+            checked = reader.check_deferred()  # on the pool, while this thread places arrays
         out = [finish() for finish in started]
+        failed = checked()
+        for i, rec in enumerate(records):  # a mapped copy failed: read from the next copy
+            if failed and any(c.key in failed for c in rec.chunks):
+                out[i] = start_leaf(rec, targets[i], reader, wheres[i], layouts)()
     for a in out:
         if isinstance(a, jax.Array):
             a.block_until_ready()

@@ -11,7 +11,9 @@ the rows line up, else through a staging buffer bounded by the restore memory
 budget. Before anything is allocated for a chunk of 256 MiB or more whose
 size its tier's view took from the manifest (GCS, fsspec), that tier is asked
 the object's size (`vouch`), so a large claim is never allocated on the
-manifest's word alone. The
+manifest's word alone. A mapped copy's check can be deferred and run in
+bulk on a thread of its own (`defer_checks`, `check_deferred`: a pack's
+adjacent chunks as one checksum pass). The
 `RestoreRecord` says which tier served each chunk, the bytes read per tier,
 and what fell back.
 """
@@ -22,13 +24,13 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..core import codec, layout
-from ..core.manifest import ChunkRecord
+from ..core.manifest import PACK_ALIGN, ChunkRecord
 from ..core.planner import blocks_for_rows, rows_per_block
 from ..core.selection import Choice
 from ..core.sharding import box_elements
@@ -55,6 +57,10 @@ class RestoreRecord:
 # the object holds less, while a request per chunk would cost a restore from
 # GCS a round trip per leaf.
 VOUCH_MIN_BYTES = 256 << 20
+
+# Deferred checks of mapped copies start in batches of this many bytes, so the
+# pool checksums while the restoring thread maps the next leaves too.
+DEFER_BATCH_BYTES = 64 << 20
 
 
 class ChunkReader:
@@ -96,12 +102,24 @@ class ChunkReader:
         # the budget in all (half brought a restore near its memory promise,
         # and a quarter read as fast), reused from chunk to chunk.
         self.packed = BufferPool(self.budget // 4)
+        # Mapped copies whose checks are deferred (`defer_checks`): checked in
+        # bulk by `check_deferred`; None: every copy is checked as it is read.
+        self._deferred: list | None = None
+        self._deferred_bytes = 0
+        self._counted: set[str] = set()  # chunks a deferred check counted as served
+        # Batches of deferred copies, each with its check on `_checker`.
+        self._checks: list[tuple[list, cf.Future]] = []
+        # One thread for them: on a few cores, several checksumming at once
+        # starved the restoring thread.
+        self._checker = cf.ThreadPoolExecutor(1, thread_name_prefix="rc-check")
+        self._tier_of = {id(st): n for n, st in self.storages.items()}
         self._held = contextlib.ExitStack()  # the step's directory, open till close
         for st in storages.values():
             self._held.enter_context(st.holding(self.dir))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self._checker.shutdown(wait=True)
         self.packed.clear()
         self._held.close()
 
@@ -130,7 +148,8 @@ class ChunkReader:
                 self._failed(tier, c.key, f"step {self.choice.step}, {where}: chunk {c.key} "
                              f"from the {tier} tier failed ({e}); trying the next copy", str(e))
                 continue
-            self._served(tier, c.key, nread)
+            if nread is not None:  # (None: a deferred check counts it, `_check_mapped`)
+                self._served(tier, c.key, nread)
             return out
         raise CorruptCheckpointError(
             f"step {self.choice.step}, {where}: chunk {c.key} has no intact copy "
@@ -215,13 +234,21 @@ class ChunkReader:
         return None
 
     def whole(self, c: ChunkRecord, where: str, zero_copy: bool,
-              out: np.ndarray | None = None) -> np.ndarray:
+              out: np.ndarray | None = None, defer: bool = False) -> np.ndarray:
         """The chunk's verified, uncompressed bytes in `out` (c.nbytes, uint8)
         or a buffer of its own (or, with zero_copy, a copy-on-write mapping of
-        a RAM-tier object)."""
+        a RAM-tier object). With `defer`, from the thread that called
+        `defer_checks`, a mapped copy is returned unchecked and checked by
+        `check_deferred`."""
         def read(st: Storage, key: str, at: int):
             raw = c.codec == "raw"
             buf = st.map(key, c.stored_nbytes, at) if zero_copy and raw else None
+            if buf is not None and defer and self._deferred is not None:
+                self._deferred.append((c, where, st, buf))
+                self._deferred_bytes += c.stored_nbytes
+                if self._deferred_bytes >= DEFER_BATCH_BYTES:  # checked meanwhile
+                    self._check_batch()
+                return buf, None
             if buf is None and raw:
                 buf = out if out is not None else host_buffer(c.stored_nbytes)
                 st.read_into(key, buf.data, at)
@@ -237,6 +264,74 @@ class ChunkReader:
                 raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             return buf, c.stored_nbytes
         return self._from_tiers(c, where, read)
+
+    @property
+    def deferring(self) -> bool:
+        return self._deferred is not None
+
+    def defer_checks(self) -> None:
+        """From now until `check_deferred`, mapped copies read by `whole(defer=True)`
+        are checked later, in bulk, on the pool: in batches of
+        `DEFER_BATCH_BYTES` as they come, and the rest at `check_deferred`."""
+        self._deferred, self._deferred_bytes, self._checks = [], 0, []
+
+    def _check_batch(self) -> None:
+        if self._deferred:
+            self._checks.append((self._deferred,
+                                 self._checker.submit(self._check_mapped, self._deferred)))
+        self._deferred, self._deferred_bytes = [], 0
+
+    def check_deferred(self) -> Callable[[], set[str]]:
+        """Starts checking the copies deferred since `defer_checks` and not yet
+        being checked; the returned call waits for every batch and returns
+        the keys of the chunks whose copy failed (marked bad, so a second read
+        of them takes the next copy).
+
+        Adjacent chunks of one pack mapping (with under `PACK_ALIGN` zeros
+        between them) are checked as one run: one checksum of the run's bytes
+        without the GIL, against the CRC32C combined from theirs. A run that
+        does not match, or cannot be combined, is checked chunk by chunk. So a
+        RAM-tier restore checksums on a second core while the restoring thread
+        places the arrays, where it checked thousands of chunks itself first."""
+        self._check_batch()
+        checks, self._deferred, self._checks = self._checks, None, []
+
+        def wait() -> set[str]:  # the waiting thread checks the batches not yet begun,
+            # from the last (the checker takes them from the first)
+            return set().union(*[self._check_mapped(batch) if f.cancel() else f.result()
+                                 for batch, f in reversed(checks)])
+        return wait
+
+    def _check_mapped(self, pending: list) -> set[str]:
+        by_base: dict[int, list] = collections.defaultdict(list)
+        for item in pending:  # the views of one mapping share its array as their base
+            by_base[id(item[3].base)].append(item)
+        failed: set[str] = set()
+        for items in by_base.values():
+            items.sort(key=lambda it: it[0].pack_offset)
+            for run in _adjacent(items):
+                if len(run) == 1 or not _run_intact(run):
+                    failed.update(k for k in map(self._check_one, run) if k is not None)
+        with self._lock:  # what each intact copy served
+            for c, _, st, _ in pending:
+                if c.key not in failed:
+                    tier = self._tier_of[id(st)]
+                    self.record.bytes_by_tier[tier] += c.stored_nbytes
+                    self.record.chunks_by_tier[tier] += 1
+                    self.record.served[c.key] = tier
+                    self._counted.add(c.key)
+        return failed
+
+    def _check_one(self, item: tuple) -> str | None:
+        """None if a deferred copy is intact; else marks it bad and returns its
+        chunk's key."""
+        c, where, st, buf = item
+        if crc32c.value(buf) == c.crc32c:
+            return None
+        tier, why = self._tier_of[id(st)], f"crc32c mismatch in {st.url}/{self._key(c)}"
+        self._failed(tier, c.key, f"step {self.choice.step}, {where}: chunk {c.key} from the "
+                     f"{tier} tier failed ({why}); trying the next copy", why)
+        return c.key
 
     def pieces(self, c: ChunkRecord, dtype: np.dtype,
                parts: list[tuple[tuple[slice, ...], np.ndarray]], where: str,
@@ -467,9 +562,58 @@ class ChunkReader:
 
     def _served(self, tier: str, key: str, nread: int) -> None:
         with self._lock:
+            if key in self._counted:
+                return  # mapped again for a leaf read again (`check_deferred`): counted once
             self.record.bytes_by_tier[tier] += nread
             self.record.chunks_by_tier[tier] += 1
             self.record.served[key] = tier
+
+
+def _adjacent(items: list) -> Iterator[list]:
+    """Deferred copies of one mapping, by offset, cut into runs of chunks of
+    one pack with only the zeros before an aligned offset between them."""
+    run: list = []
+    for it in items:
+        c = it[0]
+        if run:
+            p = run[-1][0]
+            gap = c.pack_offset - (p.pack_offset + p.stored_nbytes)
+            if c.pack is None or c.pack != p.pack or not 0 <= gap < PACK_ALIGN:
+                yield run
+                run = []
+        run.append(it)
+    if run:
+        yield run
+
+
+def _address(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _run_intact(run: list) -> bool:
+    """Whether a run of deferred copies (views of one mapping, by offset) holds
+    exactly its chunks' bytes: one checksum of the span from the first chunk
+    to the end of the last, against the CRC32C of their bytes and the zeros
+    between them. False also where the views are not slices of one mapping of
+    the pack at their offsets, or the run has too many distinct lengths."""
+    base = run[0][3].base
+    lo = run[0][0].pack_offset
+    hi = run[-1][0].pack_offset + run[-1][0].stored_nbytes
+    if not crc32c.releases_gil() or not isinstance(base, np.ndarray) or base.ndim != 1 \
+            or base.dtype != np.uint8 or len(base) < hi:
+        return False
+    span = base[lo:hi]
+    at, parts, pos = _address(span) - lo, [], lo
+    for c, _, _, view in run:
+        if _address(view) != at + c.pack_offset or view.nbytes != c.stored_nbytes:
+            return False
+        if c.pack_offset > pos:
+            parts.append((crc32c.zeros(c.pack_offset - pos), c.pack_offset - pos))
+        parts.append((c.crc32c, c.stored_nbytes))
+        pos = c.pack_offset + c.stored_nbytes
+    if len({n for _, n in parts}) > crc32c.MAX_LENGTHS:
+        return False
+    return crc32c.value(span) == crc32c.concatenated(parts)
 
 
 def _rows_in_place(c: ChunkRecord, src: tuple, dst: np.ndarray) -> bool:

@@ -82,8 +82,10 @@ class _Walker:
     _held: dict[tuple[str, ...], list[int]]
     _hold_lock: threading.Lock
     # Whole objects mapped once while their directory is held, by its parts
-    # then name (`FileStorage.map`): a pack's chunks are views of one mapping.
+    # then key (`FileStorage.map`): a pack's chunks are views of one mapping;
+    # `_mapped` holds the same by key alone (thousands of look-ups a restore).
     _whole: dict[tuple[str, ...], dict[str, np.ndarray | None]]
+    _mapped: dict[str, np.ndarray | None]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -200,7 +202,8 @@ class _Walker:
                 self._held[parts].remove(fd)
                 if not self._held[parts]:
                     del self._held[parts]
-                    self._whole.pop(parts, None)  # the restored arrays keep their views
+                    for key in self._whole.pop(parts, {}):  # the restored arrays keep their views
+                        self._mapped.pop(key, None)
             os.close(fd)
 
     @contextlib.contextmanager
@@ -257,7 +260,7 @@ class FileStorage(_Walker, Storage):
         elif create:
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
-        self._held, self._hold_lock, self._whole = {}, threading.Lock(), {}
+        self._held, self._hold_lock, self._whole, self._mapped = {}, threading.Lock(), {}, {}
         # Saves in progress (their batches: durable.py), by step directory.
         self._batches: dict[str, durable.Batch] = {}
         self._batch_lock = threading.Lock()
@@ -528,20 +531,23 @@ class FileStorage(_Walker, Storage):
         directory open (a step of packs is a few objects holding thousands of
         chunks: a mapping per chunk cost an open, a stat and an mmap each):
         (whether its directory is held, the mapping or None where it is empty)."""
-        dirs, name = self._split(key)
+        if key in self._mapped:  # (read without the lock: entries go only with the hold)
+            return True, self._mapped[key]
+        dirs, _ = self._split(key)
         parts = tuple(dirs)
         with self._hold_lock:
             if parts not in self._held:
                 return False, None
             maps = self._whole.get(parts, {})
-            if name in maps:
-                return True, maps[name]
+            if key in maps:
+                return True, maps[key]
         whole = self._with_fd(key, 1, lambda fd: np.frombuffer(mmap.mmap(
             fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE),
             dtype=np.uint8))
         with self._hold_lock:  # kept only while still held (the holder may have ended)
             if parts in self._held:
-                whole = self._whole.setdefault(parts, {}).setdefault(name, whole)
+                whole = self._whole.setdefault(parts, {}).setdefault(key, whole)
+                self._mapped[key] = whole
         return True, whole
 
     def place(self, key: str, region, file_offset: int, dest_offset: int,

@@ -40,6 +40,22 @@ def test_combine_is_the_crc_of_the_concatenation(a, b, seed):
 
 
 @settings(max_examples=effort.examples(100))
+@given(pieces=st.lists(st.binary(max_size=5000), max_size=12), gaps=st.data())
+def test_concatenated_pieces_and_zeros_are_the_crc_of_the_whole(pieces, gaps):
+    # a pack's run: chunks with the zeros before each aligned offset between them
+    parts, whole = [], b""
+    for p in pieces:
+        z = gaps.draw(st.integers(0, 4095))
+        parts += [(crc32c.zeros(z), z), (google_crc32c.value(p), len(p))]
+        whole += bytes(z) + p
+    assert crc32c.concatenated(parts) == google_crc32c.value(whole)
+    if whole.strip(b"\0"):  # one changed byte anywhere changes it
+        spoiled = bytearray(whole)
+        spoiled[len(whole) // 2] ^= 1
+        assert crc32c.concatenated(parts) != google_crc32c.value(bytes(spoiled))
+
+
+@settings(max_examples=effort.examples(100))
 @given(n=st.integers(0, 40_000), block=st.integers(1, 5000))
 def test_combined_block_crcs_are_the_crc_of_the_whole(n, block):
     buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
