@@ -84,8 +84,8 @@ class _Walker:
     # Whole objects mapped once while their directory is held, by its parts
     # then key (`FileStorage.map`): a pack's chunks are views of one mapping;
     # `_mapped` holds the same by key alone (thousands of look-ups a restore).
-    _whole: dict[tuple[str, ...], dict[str, np.ndarray | None]]
-    _mapped: dict[str, np.ndarray | None]
+    _whole: dict[tuple[str, ...], dict[str, np.ndarray | bool | None]]
+    _mapped: dict[str, np.ndarray | bool | None]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -491,6 +491,9 @@ class FileStorage(_Walker, Storage):
         if not self.maps_cached or nbytes <= 0:
             return False
         try:
+            held, whole = self._held_whole(key)
+            if held and whole is not False:  # the page cache held the object whole
+                return isinstance(whole, np.ndarray) and len(whole) >= offset + nbytes
             return bool(self._with_fd(key, offset + nbytes,
                                       lambda fd: hostmem.cached(fd, nbytes, offset)))
         except StorageError:
@@ -512,11 +515,10 @@ class FileStorage(_Walker, Storage):
                 offset % mmap.ALLOCATIONGRANULARITY:
             return None
 
-        if self.zero_copy:
-            held, whole = self._held_whole(key)
-            if held:  # a view of the object mapped whole
-                return whole[offset:offset + nbytes] \
-                    if whole is not None and len(whole) >= offset + nbytes else None
+        held, whole = self._held_whole(key)
+        if held and whole is not False:  # a view of the object mapped whole
+            return whole[offset:offset + nbytes] \
+                if isinstance(whole, np.ndarray) and len(whole) >= offset + nbytes else None
 
         def open_map(fd: int):
             if not (self.zero_copy or hostmem.cached(fd, nbytes, offset)):
@@ -526,11 +528,14 @@ class FileStorage(_Walker, Storage):
         m = self._with_fd(key, offset + nbytes, open_map)
         return np.frombuffer(m, dtype=np.uint8) if isinstance(m, mmap.mmap) else None
 
-    def _held_whole(self, key: str) -> tuple[bool, np.ndarray | None]:
-        """A zero-copy tier's object mapped whole, once while `holding` keeps its
-        directory open (a step of packs is a few objects holding thousands of
-        chunks: a mapping per chunk cost an open, a stat and an mmap each):
-        (whether its directory is held, the mapping or None where it is empty)."""
+    def _held_whole(self, key: str) -> tuple[bool, np.ndarray | bool | None]:
+        """An object mapped whole, once while `holding` keeps its directory open
+        (a step of packs is a few objects holding thousands of chunks: a
+        mapping per chunk cost an open, a stat and an mmap each, and on a disk
+        tier two page-cache questions): (whether its directory is held, the
+        mapping, None where the object is empty, or False on a disk tier
+        where the page cache did not hold it whole when first asked: its
+        chunks are then asked and mapped one by one)."""
         if key in self._mapped:  # (read without the lock: entries go only with the hold)
             return True, self._mapped[key]
         dirs, _ = self._split(key)
@@ -541,9 +546,12 @@ class FileStorage(_Walker, Storage):
             maps = self._whole.get(parts, {})
             if key in maps:
                 return True, maps[key]
-        whole = self._with_fd(key, 1, lambda fd: np.frombuffer(mmap.mmap(
-            fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE),
-            dtype=np.uint8))
+        def whole_map(fd: int) -> np.ndarray | bool:
+            if not (self.zero_copy or hostmem.cached(fd, os.fstat(fd).st_size)):
+                return False
+            return np.frombuffer(mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
+                                           prot=mmap.PROT_READ | mmap.PROT_WRITE), dtype=np.uint8)
+        whole = self._with_fd(key, 1, whole_map)
         with self._hold_lock:  # kept only while still held (the holder may have ended)
             if parts in self._held:
                 whole = self._whole.setdefault(parts, {}).setdefault(key, whole)

@@ -46,6 +46,19 @@ def test_plan_rejects_gaps_and_overlaps():
     assert not planner.chunks_cover((4, 4), shifted)
 
 
+def test_an_answer_kept_for_a_layout_is_that_layouts_alone():
+    # chunks_cover answers once per (shape, chunk boxes): the same boxes of
+    # other chunks get it again, another shape or one box more or less its own
+    chunks = grid_chunks((4, 4), [[2], [2]])
+    assert planner.chunks_cover((4, 4), chunks)
+    others = [ChunkRecord(c.offsets, c.sizes, c.key + "'", c.nbytes, c.nbytes, 1) for c in chunks]
+    assert planner.chunks_cover((4, 4), others)
+    assert not planner.chunks_cover((4, 5), chunks)
+    assert not planner.chunks_cover((4, 4), chunks[:-1])
+    assert not planner.chunks_cover((4, 4), chunks + chunks[:1])
+    assert planner.chunks_cover((4, 4), chunks)
+
+
 dims = st.integers(1, 7)
 # (shape, the saved chunks' cuts per dimension, the targets' cuts per dimension)
 cut_grids = st.lists(dims, min_size=0, max_size=3).flatmap(lambda shape: st.tuples(

@@ -533,6 +533,39 @@ def test_reads_under_a_held_step_directory_skip_the_walk_and_still_refuse_links(
     assert s.read("1/a") == b"abcdefgh" and walks == [["1"]]  # walked again
 
 
+def test_a_held_disk_object_the_page_cache_holds_whole_is_mapped_once_else_chunk_by_chunk(
+        tmp_path, monkeypatch):
+    # On a disk tier that maps what the page cache holds, a held step's pack
+    # held whole by the cache is asked once and mapped once (its chunks are
+    # views of it); one it does not hold whole is asked, and mapped where
+    # cached, chunk by chunk, as unheld.
+    s = FileStorage(str(tmp_path), "local", direct=True, maps_cached=True)
+    page = 1 << 20  # (a large object: a small one is written through the cache)
+    data = _aligned(4 * page)
+    s.put("1/cold", data.data)  # written past the cache: nothing of it cached
+    s.put("1/warm", data.data)
+    (tmp_path / "1" / "warm").read_bytes()  # now cached whole
+    opens = []
+    real = files_mod._Walker._open_in
+    monkeypatch.setattr(files_mod._Walker, "_open_in",
+                        lambda self, dirs, name: opens.append(name) or real(self, dirs, name))
+    with s.holding("1"):
+        assert all(s.resident("1/warm", page, i * page) for i in range(4))
+        views = [s.map("1/warm", page, i * page) for i in range(4)]
+        assert opens == ["warm"]  # four chunks: one open, one question, one mapping
+        assert all((v == data[i * page:(i + 1) * page]).all() for i, v in enumerate(views))
+        assert len({id(v.base) for v in views}) == 1
+        assert s.map("1/warm", 2 * page, 3 * page) is None  # runs past its end
+        assert not s.resident("1/cold", page) and s.map("1/cold", page) is None
+        fd = os.open(tmp_path / "1" / "cold", os.O_RDONLY)  # its first chunk read, and only it
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, page, 0)
+        os.close(fd)
+        assert s.resident("1/cold", page) and (s.map("1/cold", page) == data[:page]).all()
+        assert not s.resident("1/cold", page, 3 * page)  # the rest, still not cached
+    assert s._whole == {} and s._mapped == {}
+
+
 def test_a_held_steps_objects_are_mapped_once_and_keep_the_bytes_they_were_opened_on(
         tmp_path, monkeypatch):
     # On a zero-copy tier, while a restore holds a step, each object (a pack of
