@@ -1,10 +1,13 @@
-"""A remote tier's small reads during one restore, served from a few larger
-ones.
+"""A remote or disk tier's small reads during one restore, served from a few
+larger ones.
 
 On an object store every read is a request, and a step of a real model is
 thousands of small chunks packed into a few objects (format 3). Read one by
 one, they cost a request each, as when every chunk was an object.
-`ReadAhead` wraps such a tier (GCS, fsspec) for the life of one restore. A
+`ReadAhead` wraps such a tier (GCS, fsspec) for the life of one restore,
+and a disk tier too, whose packs the page cache does not hold (a cold
+restore of a decoder's 5,622 chunks read one by one: 1.25 s, from 8 MiB
+windows: 0.97 s, a plain cold read of the bytes being 0.48 s). A
 read smaller than a window, of an object whose extent the step's records
 give, is served from that object's window: an aligned `WINDOW` bytes, read
 once in one request. Concurrent readers of one window wait for the one

@@ -77,13 +77,14 @@ class ChunkReader:
                  budget: int = 256 * 1024 * 1024):
         self.choice, self.bad, self.record = choice, bad, record
         self.dir = naming.name(choice.step)
-        # A remote tier's small reads come from a few larger ones (readahead.py).
+        # A remote or disk tier's small reads come from a few larger ones (readahead.py).
         extents: dict[str, int] = {}
         for _, _, c in choice.manifest.chunks():
             if c.pack is not None:
                 key = self._key(c)
                 extents[key] = max(extents.get(key, 0), c.pack_offset + c.stored_nbytes)
-        self.storages = {n: ReadAhead(st, extents) if st.sizes_from_manifest and extents
+        self.storages = {n: ReadAhead(st, extents)
+                         if (st.sizes_from_manifest or st.maps_cached) and extents
                          else st for n, st in storages.items()}
         self.budget = max(1, budget)
         self._staging: np.ndarray | None = None

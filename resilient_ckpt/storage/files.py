@@ -492,7 +492,7 @@ class FileStorage(_Walker, Storage):
             return False
         try:
             held, whole = self._held_whole(key)
-            if held and whole is not False:  # the page cache held the object whole
+            if held:  # as the page cache held the object when first asked: whole, or not
                 return isinstance(whole, np.ndarray) and len(whole) >= offset + nbytes
             return bool(self._with_fd(key, offset + nbytes,
                                       lambda fd: hostmem.cached(fd, nbytes, offset)))
@@ -516,7 +516,7 @@ class FileStorage(_Walker, Storage):
             return None
 
         held, whole = self._held_whole(key)
-        if held and whole is not False:  # a view of the object mapped whole
+        if held:  # a view of the object mapped whole; none of one not cached whole
             return whole[offset:offset + nbytes] \
                 if isinstance(whole, np.ndarray) and len(whole) >= offset + nbytes else None
 

@@ -533,12 +533,13 @@ def test_reads_under_a_held_step_directory_skip_the_walk_and_still_refuse_links(
     assert s.read("1/a") == b"abcdefgh" and walks == [["1"]]  # walked again
 
 
-def test_a_held_disk_object_the_page_cache_holds_whole_is_mapped_once_else_chunk_by_chunk(
+def test_a_held_disk_object_is_mapped_once_where_the_page_cache_holds_it_whole_else_read(
         tmp_path, monkeypatch):
     # On a disk tier that maps what the page cache holds, a held step's pack
     # held whole by the cache is asked once and mapped once (its chunks are
-    # views of it); one it does not hold whole is asked, and mapped where
-    # cached, chunk by chunk, as unheld.
+    # views of it); one it does not hold whole when first asked is not mapped
+    # while held (its chunks are read: asking the cache of each cost more
+    # than it saved), and is asked afresh, per chunk, once the hold ends.
     s = FileStorage(str(tmp_path), "local", direct=True, maps_cached=True)
     page = 1 << 20  # (a large object: a small one is written through the cache)
     data = _aligned(4 * page)
@@ -549,6 +550,12 @@ def test_a_held_disk_object_the_page_cache_holds_whole_is_mapped_once_else_chunk
     real = files_mod._Walker._open_in
     monkeypatch.setattr(files_mod._Walker, "_open_in",
                         lambda self, dirs, name: opens.append(name) or real(self, dirs, name))
+
+    def cache_first_chunk():
+        fd = os.open(tmp_path / "1" / "cold", os.O_RDONLY)  # that chunk read, and only it
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, page, 0)
+        os.close(fd)
     with s.holding("1"):
         assert all(s.resident("1/warm", page, i * page) for i in range(4))
         views = [s.map("1/warm", page, i * page) for i in range(4)]
@@ -557,13 +564,14 @@ def test_a_held_disk_object_the_page_cache_holds_whole_is_mapped_once_else_chunk
         assert len({id(v.base) for v in views}) == 1
         assert s.map("1/warm", 2 * page, 3 * page) is None  # runs past its end
         assert not s.resident("1/cold", page) and s.map("1/cold", page) is None
-        fd = os.open(tmp_path / "1" / "cold", os.O_RDONLY)  # its first chunk read, and only it
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        os.pread(fd, page, 0)
-        os.close(fd)
-        assert s.resident("1/cold", page) and (s.map("1/cold", page) == data[:page]).all()
-        assert not s.resident("1/cold", page, 3 * page)  # the rest, still not cached
+        cache_first_chunk()
+        assert not s.resident("1/cold", page) and s.map("1/cold", page) is None
+        out = hostmem.host_buffer(page)
+        s.read_into("1/cold", out.data, page)
+        assert (out == data[page:2 * page]).all()
     assert s._whole == {} and s._mapped == {}
+    assert s.resident("1/cold", page) and (s.map("1/cold", page) == data[:page]).all()
+    assert not s.resident("1/cold", page, 3 * page)  # unheld: asked chunk by chunk
 
 
 def test_a_held_steps_objects_are_mapped_once_and_keep_the_bytes_they_were_opened_on(
