@@ -38,7 +38,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..native import crc32c
 from ..native.hostmem import PAGE, BufferPool, Region, host_buffer
 from ..storage.base import Storage
-from .readahead import ReadAhead
+from .readahead import DISK_BELOW, ReadAhead
 
 
 @dataclasses.dataclass
@@ -83,7 +83,8 @@ class ChunkReader:
             if c.pack is not None:
                 key = self._key(c)
                 extents[key] = max(extents.get(key, 0), c.pack_offset + c.stored_nbytes)
-        self.storages = {n: ReadAhead(st, extents)
+        self.storages = {n: ReadAhead(st, extents, below=None if st.sizes_from_manifest
+                                      else DISK_BELOW)
                          if (st.sizes_from_manifest or st.maps_cached) and extents
                          else st for n, st in storages.items()}
         self.budget = max(1, budget)
