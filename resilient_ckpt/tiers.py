@@ -116,12 +116,14 @@ class LocalTier:
 
     `direct_io`: chunk files are written with O_DIRECT, past the page cache
     (faster, and no host memory taken by cached checkpoint bytes), and a
-    restore reads big chunk files the cache does not hold the same way;
-    False writes and reads them through the cache, so a restore soon after
-    a save reads memory.
-    `map_cached`: a restore maps chunk files the page cache holds whole
-    (copy-on-write, as the RAM tier's) instead of copying them into new
-    memory; their disk blocks stay allocated while the restored arrays live.
+    restore's big reads of ranges the cache does not hold go the same way
+    (with map_cached, only the parts of chunks read into place); False
+    writes and reads them through the cache, so a restore soon after a save
+    reads memory.
+    `map_cached`: a restore maps the step's packs (copy-on-write, as the
+    RAM tier's) instead of copying them into new memory, the ranges the
+    page cache lacks read ahead into it; the restored arrays are the
+    cache's pages, and their disk blocks stay allocated while they live.
     """
 
     path: str | None = None

@@ -6,7 +6,8 @@ is the slowest step of a restore on a VM, docs/environment.md); `carve` cuts sev
 such buffers from one mapping, for one leaf's shards; `BufferPool` lends
 such buffers again and again (compressed chunks on their way in or out),
 within a bound on their bytes; `cached` says whether the page cache holds
-a file whole (then the file tiers map it instead); `untouched_zeros` gives
+a file whole (then the file tiers map it instead), and `read_ahead` asks
+for a mapped file's range to be read into it; `untouched_zeros` gives
 aligned zeros that take no memory until written. `Region` reserves an
 address range and maps several RAM-tier files into it side by side,
 copy-on-write, so target shards that stack whole rows of several saved chunks
@@ -25,6 +26,7 @@ import numpy as np
 
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; ignored where unknown
+_MADV_WILLNEED = 3
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -94,6 +96,18 @@ def cached(fd: int, nbytes: int, offset: int = 0) -> bool:
         return bool((vec & 1).all())
     finally:
         _libc.munmap(addr, span)
+
+
+def read_ahead(mapped: np.ndarray, start: int, length: int) -> None:
+    """Asks the kernel to read bytes [start, start + length) of a file
+    mapping (`mapped`: a uint8 view of it from its first byte; `start` a
+    multiple of the page size) into the page cache (MADV_WILLNEED). It
+    returns once the reads are queued, which can take as long as reading
+    them where the device's queue is full; the GIL is released meanwhile.
+    Advice only: a failure changes nothing (the pages are read when used)."""
+    length = min(length, len(mapped) - start)
+    if length > 0 and start % PAGE == 0:
+        _libc.madvise(mapped.ctypes.data + start, length, _MADV_WILLNEED)
 
 
 def host_buffer(nbytes: int) -> np.ndarray:

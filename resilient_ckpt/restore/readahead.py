@@ -5,7 +5,8 @@ On an object store every read is a request, and a step of a real model is
 thousands of small chunks packed into a few objects (format 3). Read one by
 one, they cost a request each, as when every chunk was an object.
 `ReadAhead` wraps such a tier (GCS, fsspec) for the life of one restore,
-and a disk tier too, for its reads under `DISK_BELOW` (a cold restore of a
+and a disk tier too, for its reads under `DISK_BELOW` where its packs are
+read rather than mapped (`LocalTier(map_cached=False)`; a cold restore of a
 decoder's 5,622 chunks read one by one: 1.25 s, from 8 MiB windows:
 0.97 s, a plain cold read of the bytes being 0.48 s); a disk's larger reads
 go past the page cache on their own (windowed, a 1 GB state of 1.5 MB chunks

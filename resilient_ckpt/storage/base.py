@@ -113,7 +113,8 @@ class Storage(abc.ABC):
     def map(self, key: str, nbytes: int, offset: int = 0) -> np.ndarray | None:
         """A zero-copy uint8 view of the object's `nbytes` from `offset` (a
         multiple of the page size), where the backend can give one
-        (`zero_copy`, or `maps_cached` and the object is `resident`) that later
+        (`zero_copy`, or `maps_cached` and the object is `resident`, or held
+        by `holding` whatever the page cache holds of it) that later
         writes and deletes never change and whose own writes never reach
         storage (copy-on-write); else None."""
         return None
@@ -127,8 +128,8 @@ class Storage(abc.ABC):
 
     def resident(self, key: str, nbytes: int, offset: int = 0) -> bool:
         """Whether `map` of the object's `nbytes` from `offset` would give a view now
-        (`zero_copy`, or `maps_cached` and every page is held in memory); a
-        hint: the answer may change before the `map`."""
+        (`zero_copy`, or `maps_cached` and every page is held in memory or
+        the object's step is held by `holding`); a hint: the answer may change before the `map`."""
         return False
 
     @contextlib.contextmanager

@@ -43,6 +43,7 @@ to its directory, walked to once at the start of the block.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import mmap
@@ -86,6 +87,9 @@ class _Walker:
     # `_mapped` holds the same by key alone (thousands of look-ups a restore).
     _whole: dict[tuple[str, ...], dict[str, np.ndarray | bool | None]]
     _mapped: dict[str, np.ndarray | bool | None]
+    # Of those, the disk objects the page cache did not hold whole when mapped:
+    # their mapping and the windows of it already advised (`_Advisor`).
+    _cold: dict[str, tuple[np.ndarray, set[int]]]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -204,6 +208,7 @@ class _Walker:
                     del self._held[parts]
                     for key in self._whole.pop(parts, {}):  # the restored arrays keep their views
                         self._mapped.pop(key, None)
+                        self._cold.pop(key, None)
             os.close(fd)
 
     @contextlib.contextmanager
@@ -261,6 +266,8 @@ class FileStorage(_Walker, Storage):
             os.makedirs(self.root, exist_ok=True)
         self._real = os.path.realpath(self.root)  # the user's links, resolved once
         self._held, self._hold_lock, self._whole, self._mapped = {}, threading.Lock(), {}, {}
+        self._cold = {}
+        self._advisor = _Advisor()  # reads ahead in them
         # Saves in progress (their batches: durable.py), by step directory.
         self._batches: dict[str, durable.Batch] = {}
         self._batch_lock = threading.Lock()
@@ -492,7 +499,7 @@ class FileStorage(_Walker, Storage):
             return False
         try:
             held, whole = self._held_whole(key)
-            if held:  # as the page cache held the object when first asked: whole, or not
+            if held:  # mapped whole (what the page cache lacks is read ahead: map())
                 return isinstance(whole, np.ndarray) and len(whole) >= offset + nbytes
             return bool(self._with_fd(key, offset + nbytes,
                                       lambda fd: hostmem.cached(fd, nbytes, offset)))
@@ -503,22 +510,29 @@ class FileStorage(_Walker, Storage):
         # A private mapping keeps seeing the bytes it was opened on: objects
         # are replaced by rename and never written in place, and a deleted
         # file lives on while mapped. On tmpfs (zero_copy) the pages are memory
-        # already. A disk file is mapped only where the page cache holds it
-        # whole (maps_cached): the restored state then shares those pages, no
-        # new memory is touched (touching fresh memory is the dearest part of
-        # a warm restore on VMs, docs/environment.md) and no second copy of
-        # the state is held; a file read from the disk is read into buffers of
-        # its own, in large reads, instead of page by page through faults. The
-        # price: a deleted step's blocks stay allocated while its restored
-        # arrays live.
+        # already. A disk file (maps_cached) is mapped where the page cache
+        # holds the range, and, while a restore holds its step, mapped whole
+        # even where it does not: the ranges asked for are then read into the
+        # page cache ahead of their first use (`_Advisor`). Either way the
+        # restored state shares the page cache's pages: no new memory is
+        # touched for it (touching fresh memory is the dearest part of a
+        # restore on VMs, docs/environment.md) and no second copy of the state
+        # is held. The price: a deleted step's blocks stay allocated while its
+        # restored arrays live, and a pack cut short in place while mapped
+        # faults its reader (SIGBUS), as on the RAM tier: the tiers' files are
+        # written by rename, never in place (docs/reliability.md).
         if nbytes == 0 or not (self.zero_copy or self.maps_cached) or \
                 offset % mmap.ALLOCATIONGRANULARITY:
             return None
 
         held, whole = self._held_whole(key)
-        if held:  # a view of the object mapped whole; none of one not cached whole
-            return whole[offset:offset + nbytes] \
-                if isinstance(whole, np.ndarray) and len(whole) >= offset + nbytes else None
+        if held:  # a view of the object mapped whole; none where it is too short
+            if not isinstance(whole, np.ndarray) or len(whole) < offset + nbytes:
+                return None
+            cold = self._cold.get(key)
+            if cold is not None:
+                self._advisor.ask(cold, offset, nbytes)
+            return whole[offset:offset + nbytes]
 
         def open_map(fd: int):
             if not (self.zero_copy or hostmem.cached(fd, nbytes, offset)):
@@ -533,9 +547,9 @@ class FileStorage(_Walker, Storage):
         (a step of packs is a few objects holding thousands of chunks: a
         mapping per chunk cost an open, a stat and an mmap each, and on a disk
         tier two page-cache questions): (whether its directory is held, the
-        mapping, None where the object is empty, or False on a disk tier
-        where the page cache did not hold it whole when first asked: its
-        chunks are then asked and mapped one by one)."""
+        mapping, or None where the object is empty). A disk object the page
+        cache does not hold whole is mapped too, and noted in `_cold`: the
+        ranges `map` hands out of it are read ahead (`_Advisor`)."""
         if key in self._mapped:  # (read without the lock: entries go only with the hold)
             return True, self._mapped[key]
         dirs, _ = self._split(key)
@@ -546,15 +560,19 @@ class FileStorage(_Walker, Storage):
             maps = self._whole.get(parts, {})
             if key in maps:
                 return True, maps[key]
-        def whole_map(fd: int) -> np.ndarray | bool:
-            if not (self.zero_copy or hostmem.cached(fd, os.fstat(fd).st_size)):
-                return False
-            return np.frombuffer(mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
-                                           prot=mmap.PROT_READ | mmap.PROT_WRITE), dtype=np.uint8)
-        whole = self._with_fd(key, 1, whole_map)
+
+        def whole_map(fd: int) -> tuple[mmap.mmap, bool]:
+            cold = not (self.zero_copy or hostmem.cached(fd, os.fstat(fd).st_size))
+            return mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE), cold
+        got = self._with_fd(key, 1, whole_map)
+        whole = None if got is None else np.frombuffer(got[0], dtype=np.uint8)
         with self._hold_lock:  # kept only while still held (the holder may have ended)
             if parts in self._held:
-                whole = self._whole.setdefault(parts, {}).setdefault(key, whole)
+                maps = self._whole.setdefault(parts, {})
+                if key not in maps and whole is not None and got is not None and got[1]:
+                    self._cold[key] = (whole, set())
+                whole = maps.setdefault(key, whole)
                 self._mapped[key] = whole
         return True, whole
 
@@ -685,6 +703,61 @@ class FileStorage(_Walker, Storage):
             return
         except OSError as e:
             raise self._err("end of the save in", prefix, e) from e
+
+
+# A held disk object the page cache did not hold whole is read ahead in windows
+# of this many bytes, each the first time a range in it is mapped: the kernel
+# reads them while the restore maps and places the chunks before it.
+COLD_WINDOW = 8 << 20
+
+
+class _Advisor:
+    """Asks the kernel for the windows of cold mappings that `map` handed out
+    (`hostmem.read_ahead`), on a thread of its own: queueing a window's reads
+    waits while the disk's queue is full, which on the restoring thread took
+    longer than the reads saved (a 1 GB restore: 0.5-0.7 s in the advice).
+    The thread starts with the first window asked for and ends once nothing
+    is asked for a moment, so it never outlives a restore by more than that,
+    and never holds up the interpreter's exit."""
+
+    IDLE_S = 0.2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._todo: collections.deque = collections.deque()
+        self._wake = threading.Condition(self._lock)
+        self._running = False
+
+    def ask(self, cold: tuple[np.ndarray, set[int]], offset: int, nbytes: int) -> None:
+        """Queues the windows of `cold` (a mapping and the windows asked for
+        already) holding [offset, offset + nbytes) not asked for before."""
+        whole, advised = cold
+        windows = [w for w in range(offset // COLD_WINDOW,
+                                    (offset + nbytes - 1) // COLD_WINDOW + 1)
+                   if w not in advised]
+        if not windows:
+            return
+        with self._lock:
+            for w in windows:
+                if w not in advised:
+                    advised.add(w)
+                    self._todo.append((whole, w * COLD_WINDOW))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="rc-readahead").start()
+            else:
+                self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._todo:
+                    self._wake.wait(self.IDLE_S)
+                if not self._todo:
+                    self._running = False
+                    return
+                whole, start = self._todo.popleft()
+            hostmem.read_ahead(whole, start, COLD_WINDOW)
 
 
 def open_below(base: str, rel: str) -> int:

@@ -1,5 +1,7 @@
-"""The local tier maps the chunk files the page cache holds whole, copy-on-write,
-instead of copying them into new memory; files it does not hold are read.
+"""The local tier maps its files copy-on-write instead of copying them into new
+memory: outside a restore those the page cache holds whole (others are
+read); within one, a step's packs whatever the cache holds of them, the
+ranges handed out read ahead into the cache.
 
 Real files on the test machine's disk, real CPU devices; the page cache is
 emptied of a file with posix_fadvise(DONTNEED) (clean pages, not mapped).
@@ -114,7 +116,7 @@ def _shard_files(out):
 
 
 @pytest.mark.parametrize("map_cached", [True, False])
-def test_a_warm_local_restore_maps_the_chunk_files_and_a_cold_one_reads(tmp_path, map_cached):
+def test_a_local_restore_maps_the_packs_warm_or_cold(tmp_path, map_cached):
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     state = _state(mesh, 1)
     want = {k: np.asarray(v) for k, v in state.items()}
@@ -146,12 +148,15 @@ def test_a_warm_local_restore_maps_the_chunk_files_and_a_cold_one_reads(tmp_path
         out = m.restore(1, args=ocp.args.StandardRestore(_abstract(state)))
     for k, v in want.items():
         assert np.array_equal(np.asarray(out[k]), v), k
-    # Read, not mapped: the first chunk (a buffered read of a chunk reads ahead
-    # into the next chunks of its pack, which are then cached whole and
-    # mapped, as any cached chunk is; with direct_io, the default, a cold
-    # range is read past the cache and nothing is read ahead).
+    assert m.last_restore.bytes_by_tier == {"local": sum(v.nbytes for v in want.values())}
+    # Mapped as when warm (the kernel read the packs into the page cache as
+    # the restore asked for their ranges); without map_cached, read.
     cold = _shard_files(out)
-    assert cold[0] is None, cold
+    if map_cached:
+        assert all(w is not None and w.startswith(os.path.join(root, "1")) for w in cold), cold
+        assert all(is_cached(f) for f in files)
+    else:
+        assert cold == [None] * len(cold)
 
 
 def test_a_cached_chunk_that_fails_its_checksum_is_not_restored(tmp_path):
