@@ -85,11 +85,11 @@ class _Walker:
     # Whole objects mapped once while their directory is held, by its parts
     # then key (`FileStorage.map`): a pack's chunks are views of one mapping;
     # `_mapped` holds the same by key alone (thousands of look-ups a restore).
-    _whole: dict[tuple[str, ...], dict[str, np.ndarray | bool | None]]
-    _mapped: dict[str, np.ndarray | bool | None]
+    _whole: dict[tuple[str, ...], dict[str, np.ndarray | None]]
+    _mapped: dict[str, np.ndarray | None]
     # Of those, the disk objects the page cache did not hold whole when mapped:
-    # their mapping and the windows of it already advised (`_Advisor`).
-    _cold: dict[str, tuple[np.ndarray, set[int]]]
+    # the windows of each already asked for (`_Advisor`).
+    _cold: dict[str, set[int]]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -529,9 +529,9 @@ class FileStorage(_Walker, Storage):
         if held:  # a view of the object mapped whole; none where it is too short
             if not isinstance(whole, np.ndarray) or len(whole) < offset + nbytes:
                 return None
-            cold = self._cold.get(key)
-            if cold is not None:
-                self._advisor.ask(cold, offset, nbytes)
+            advised = self._cold.get(key)
+            if advised is not None:
+                self._advisor.ask(whole, advised, offset, nbytes)
             return whole[offset:offset + nbytes]
 
         def open_map(fd: int):
@@ -542,7 +542,7 @@ class FileStorage(_Walker, Storage):
         m = self._with_fd(key, offset + nbytes, open_map)
         return np.frombuffer(m, dtype=np.uint8) if isinstance(m, mmap.mmap) else None
 
-    def _held_whole(self, key: str) -> tuple[bool, np.ndarray | bool | None]:
+    def _held_whole(self, key: str) -> tuple[bool, np.ndarray | None]:
         """An object mapped whole, once while `holding` keeps its directory open
         (a step of packs is a few objects holding thousands of chunks: a
         mapping per chunk cost an open, a stat and an mmap each, and on a disk
@@ -570,8 +570,8 @@ class FileStorage(_Walker, Storage):
         with self._hold_lock:  # kept only while still held (the holder may have ended)
             if parts in self._held:
                 maps = self._whole.setdefault(parts, {})
-                if key not in maps and whole is not None and got is not None and got[1]:
-                    self._cold[key] = (whole, set())
+                if key not in maps and got is not None and got[1]:
+                    self._cold[key] = set()
                 whole = maps.setdefault(key, whole)
                 self._mapped[key] = whole
         return True, whole
@@ -717,8 +717,8 @@ class _Advisor:
     waits while the disk's queue is full, which on the restoring thread took
     longer than the reads saved (a 1 GB restore: 0.5-0.7 s in the advice).
     The thread starts with the first window asked for and ends once nothing
-    is asked for a moment, so it never outlives a restore by more than that,
-    and never holds up the interpreter's exit."""
+    is asked for a moment: it outlives a restore by at most that moment
+    plus the windows still queued, and so ends before the interpreter exits."""
 
     IDLE_S = 0.2
 
@@ -728,10 +728,9 @@ class _Advisor:
         self._wake = threading.Condition(self._lock)
         self._running = False
 
-    def ask(self, cold: tuple[np.ndarray, set[int]], offset: int, nbytes: int) -> None:
-        """Queues the windows of `cold` (a mapping and the windows asked for
-        already) holding [offset, offset + nbytes) not asked for before."""
-        whole, advised = cold
+    def ask(self, whole: np.ndarray, advised: set[int], offset: int, nbytes: int) -> None:
+        """Queues the windows of mapping `whole` holding [offset, offset +
+        nbytes) not in `advised` (those asked for already) and adds them."""
         windows = [w for w in range(offset // COLD_WINDOW,
                                     (offset + nbytes - 1) // COLD_WINDOW + 1)
                    if w not in advised]
