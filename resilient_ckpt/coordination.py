@@ -3,7 +3,7 @@
 With one process every method here is a thin pass-through. With several,
 each is a collective every process makes at the same point of its program,
 and every branch after it is taken from the same exchanged data:
-- `classify`, `open`: which file tiers every process sees (one directory for all, so
+- `open`: what exists, and which file tiers every process sees (one directory for all, so
   only process 0 cleans there, each process deletes its part of a step's
   shares, and only the job's shards are
   written there) and which each has its own of (RAM, a local SSD);
@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .catalog.catalog import Catalog, JobView
+from .catalog.catalog import Catalog, JobView, probe_view
 from .core import manifest, summary
 from .core.selection import Choice
 from .errors import (
@@ -68,7 +68,7 @@ from .errors import (
     TargetMismatchError,
 )
 from .multihost import peer_fill
-from .multihost.agree import Peers, Round
+from .multihost.agree import Round
 from .multihost.vote import AUTO_FROM, DeviceVote
 from .restore.assemble import Hole
 from .restore.loop import restore_alone
@@ -218,16 +218,40 @@ class Coordinator:
 
     # ------------------------------------------------------------ collectives
 
-    def classify(self, writable: bool) -> None:
-        """Tells shared tiers from per-host ones (before the catalog first
-        reads them: on a shared tier a process reads only its own shares)."""
-        if self.peers.many and writable:
-            _classify_tiers(self._catalog, self.peers)
-
-    def open(self) -> None:
-        """Agrees on what exists (after the catalog's first reading)."""
-        if self.peers.many:
-            self._agree("open", failures=False)
+    def open(self, writable: bool) -> None:
+        """The catalog's first reading, and with several processes the
+        agreement on what exists; a writable manager first tells shared
+        file tiers from per-host ones (`_probe`: before the catalog reads
+        them, for on a shared tier a process reads only its own shares), in
+        one round more, whose sights the open's round checks."""
+        if not (self.peers.many and writable):
+            self._catalog.reload()
+            if self.peers.many:
+                self._agree("open", failures=False)
+            return
+        tiers = [(n, st) for n, st in self._catalog.storages().items() if not st.shared]
+        probe = f".rc-probe.{self.peers.token}."
+        for _, st in tiers:
+            st.put(probe + str(self.peers.index), memoryview(b""))
+        try:
+            self.peers.decide("open (probes written)", {}, lambda views: None)
+            sights = {n: probe_view((int(x[len(probe):]) for x in st.list("", starts_with=probe)
+                                     if x[len(probe):].isdigit()),
+                                    self.peers.live, self.peers.index) for n, st in tiers}
+            for n, st in tiers:  # what every process will find, unless the open raises
+                st.shared = sights[n] == "shared"
+            self._catalog.reload()
+            job = self._agree("open", {"probes": {"process": self.peers.index,
+                                                  "tiers": sights}}, failures=False)
+        finally:
+            for _, st in tiers:
+                st.delete(probe + str(self.peers.index))
+        for n, st in tiers:
+            if job.tiers.get(n) not in ("shared", "own"):
+                raise ValueError(
+                    f"the {n} tier ({st.url}) is seen by some processes but not all "
+                    f"({job.tiers.get(n)}): give each process a directory of its own (e.g. "
+                    "RamTier(path=...) per process) or one that every process sees")
 
     def refresh(self, what: str) -> None:
         """Agrees on what exists again (reload, restore)."""
@@ -462,54 +486,6 @@ class Coordinator:
             raise _Abandoned([(q, ["fallback", "some of its shards are held by no process"])
                               for q in short])
         return filled
-
-def _classify_tiers(catalog: Catalog, peers: Peers) -> None:
-    """Marks a file tier that every process sees as shared; one that each
-    has its own of stays per-host; anything between is an error."""
-    tiers = [(n, st) for n, st in catalog.storages().items() if not st.shared]
-    if not tiers:
-        return
-    probe = f".rc-probe.{peers.token}."
-    for _, st in tiers:
-        st.put(probe + str(peers.index), memoryview(b""))
-    try:
-        peers.decide("open (probes written)", {}, lambda views: None)
-        seen = {n: sorted(int(x[len(probe):]) for x in st.list("", starts_with=probe))
-                for n, st in tiers}
-        live = peers.live
-        kinds = peers.decide("open (probes seen)", seen,
-                             lambda views: _tier_kinds([n for n, _ in tiers], live, views))
-    finally:
-        for _, st in tiers:
-            st.delete(probe + str(peers.index))
-    for n, st in tiers:
-        if kinds[n] == "shared":
-            st.shared = True
-        elif kinds[n] != "own":
-            raise ValueError(
-                f"the {n} tier ({st.url}) is seen by some processes but not all "
-                f"({kinds[n]}): give each process a directory of its own (e.g. "
-                "RamTier(path=...) per process) or one that every process sees")
-
-
-def _tier_kinds(names: list[str], live: tuple[int, ...], views: list[dict]) -> dict[str, str]:
-    """Per tier, from the probes each process saw: "shared" (every process
-    saw every probe), "own" (each its own only), or what is wrong (a few
-    processes' sights, for the error)."""
-    out = {}
-    for n in names:
-        sets = [set(v[n]) for v in views]
-        if all(s == set(live) for s in sets):
-            out[n] = "shared"
-        elif all(s == {q} for q, s in zip(live, sets, strict=True)):
-            out[n] = "own"
-        else:
-            odd = [(q, sorted(s)) for q, s in zip(live, sets, strict=True)
-                   if s not in (set(live), {q})]
-            out[n] = "; ".join(f"process {q} sees the probes of {s[:8]}"
-                               for q, s in odd[:4]) + (" ..." if len(odd) > 4 else "")
-    return out
-
 
 def _outcomes(views: list[dict]) -> dict:
     """A restore round's rule: each failure by position, and the union of holes."""

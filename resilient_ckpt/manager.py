@@ -84,9 +84,7 @@ class CheckpointManager:
         weakref.finalize(self, self._writer_lock.release)
         self.save_records: collections.deque = collections.deque(maxlen=256)
         self.restore_records: collections.deque = collections.deque(maxlen=64)
-        self._coord.classify(plan.writable)
-        self.catalog.reload()
-        self._coord.open()
+        self._coord.open(plan.writable)
         self._cleanup = None
         if o.cleanup_tmp_directories and not o.read_only:
             self._cleanup = threading.Thread(

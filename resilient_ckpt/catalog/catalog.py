@@ -50,16 +50,19 @@ class JobView:
     """What the job decided at one agreement, the same on every process: the
     agreed saves, the steps in flight anywhere, background failures (by
     position in `peers.live`), the Orbax steps every process sees, the saves
-    a second round asks about (`unsettled`), and a save's id and writer-lock
-    refusals. `decided` makes it from every process's view (the rule of
+    a second round asks about (`unsettled`), a save's id and writer-lock
+    refusals, and at the open the kind of each file tier (`tier_kinds`).
+    `decided` makes it from every process's view (the rule of
     `Peers.decide`), `to_json`/`from_json` carry it to the others."""
 
     def __init__(self, steps: dict[int, shares.AgreedStep], pending: set[int],
                  errors: list[tuple[int, str]], orbax: set[int], unsettled: list,
-                 save_id: str | None = None, refusals: list[tuple[int, str]] | None = None):
+                 save_id: str | None = None, refusals: list[tuple[int, str]] | None = None,
+                 tiers: dict[str, str] | None = None):
         self.steps, self.pending, self.errors = steps, pending, errors
         self.orbax, self.unsettled = orbax, unsettled
         self.save_id, self.refusals = save_id, refusals or []
+        self.tiers = tiers or {}
         self._reports: list[list[shares.Share]] = []  # on the deciding process only
         self._orbax_all: set[int] = set()
 
@@ -72,7 +75,8 @@ class JobView:
         job = cls(steps, pending, [(q, e) for q, x in enumerate(views) for e in x["errors"]],
                   orbax - set(steps), shares.unsettled(reports, steps, pending),
                   views[0].get("save_id"),
-                  [(q, str(x["in_use"])) for q, x in enumerate(views) if x.get("in_use")])
+                  [(q, str(x["in_use"])) for q, x in enumerate(views) if x.get("in_use")],
+                  tier_kinds(views))
         job._reports, job._orbax_all = reports, orbax
         return job
 
@@ -91,7 +95,7 @@ class JobView:
                           for a in self.steps.values()],
                 "pending": sorted(self.pending), "errors": self.errors,
                 "orbax": sorted(self.orbax), "unsettled": [list(u) for u in self.unsettled],
-                "save_id": self.save_id, "refusals": self.refusals}
+                "save_id": self.save_id, "refusals": self.refusals, "tiers": self.tiers}
 
     @classmethod
     def from_json(cls, d: dict) -> JobView:
@@ -99,7 +103,8 @@ class JobView:
                                               frozenset(v[4])) for v in d["steps"]}
         return cls(steps, set(d["pending"]), [(int(q), str(e)) for q, e in d["errors"]],
                    set(d["orbax"]), [(int(a), str(b), int(c)) for a, b, c in d["unsettled"]],
-                   d["save_id"], [(int(q), str(m)) for q, m in d["refusals"]])
+                   d["save_id"], [(int(q), str(m)) for q, m in d["refusals"]],
+                   {str(n): str(k) for n, k in d.get("tiers", {}).items()})
 
     def complete_in(self, tier: str) -> list[int]:
         """Steps that `tier` holds every process's share of, oldest first."""
@@ -640,3 +645,43 @@ def _whole_copies(cache: dict, obs: dict, names: list[str], bad: frozenset,
 
 def _empty_view() -> dict:
     return {"shares": [], "pending": [], "errors": [], "orbax": []}
+
+
+# ------------------------------------------------------------ which tiers are shared
+
+def probe_view(seen: Iterable[int], live: Sequence[int], me: int) -> str | list[int]:
+    """What one process reports of a file tier from the probes it found
+    there (the job's process indices): "shared" when it sees every live
+    process's probe, "own" when only its own, else the first few it saw (a
+    few bytes whatever the job's size, so a round of them stays O(N))."""
+    got = sorted(set(seen) & set(live))
+    if got == sorted(live):
+        return "shared"
+    if got == [me]:
+        return "own"
+    return got[:8] + (["..."] if len(got) > 8 else [])  # type: ignore[list-item]
+
+
+def tier_kinds(views: Sequence[dict]) -> dict[str, str]:
+    """Per probed tier, from every process's `probe_view`s (a view's
+    "probes": {"process": its index, "tiers": tier -> sight}): "shared"
+    (every process saw every probe), "own" (each its own only), or what is
+    wrong (a few processes' sights, for the error every process raises)."""
+    probed = [x.get("probes") for x in views]
+    names = sorted({n for p in probed if p is not None for n in p["tiers"]})
+    out = {}
+    for n in names:
+        sights = [(q, None) if p is None else (p["process"], p["tiers"].get(n))
+                  for q, p in enumerate(probed)]
+        kinds = {s if isinstance(s, str) else "odd" for _, s in sights}
+        if kinds in ({"shared"}, {"own"}):
+            out[n] = kinds.pop()
+            continue
+        odd = [(q, s) for q, s in sights if s not in ("shared", "own")] \
+            or [(q, s) for q, s in sights if s == "own"]  # (each sees every probe or its own)
+        out[n] = "; ".join(
+            f"process {q} " + ("did not probe it" if s is None else
+                               "sees only its own probe" if s == "own" else
+                               f"sees the probes of {s}")
+            for q, s in odd[:4]) + (" ..." if len(odd) > 4 else "")
+    return out

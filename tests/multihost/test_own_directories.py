@@ -63,3 +63,46 @@ def test_each_process_saves_and_restores_in_its_own_directory(hosts):
     for g in got:
         assert g["steps"] == [0] and g["exact"] == {"a": True, "b": True}, got
     assert sorted(os.listdir(hosts["dir"])) == ["0", "1"]
+
+
+MIXED = r'''
+import os
+import sys
+import mh
+ctx = mh.init(sys.argv)
+
+
+def run(ctx):
+    import resilient_ckpt as rc
+    # Processes 0 and 1 share a directory; 2 and 3 each have one of their own.
+    path = os.path.join(ctx.dir, "ab" if ctx.pid < 2 else str(ctx.pid))
+    os.makedirs(path, exist_ok=True)
+    options = rc.CheckpointManagerOptions(agreement_timeout_s=15)
+    try:
+        rc.CheckpointManager(path, options=options).close()
+        mh.report({"pid": ctx.pid, "error": None})
+    except ValueError as e:
+        mh.report({"pid": ctx.pid, "error": str(e)})
+    mh.barrier("opened")  # every process is past its open: its probes are gone
+    mh.report({"pid": ctx.pid, "left": sorted(os.listdir(path))})
+
+
+mh.main(run, ctx)
+'''
+
+
+def test_a_directory_some_processes_share_and_others_do_not_is_refused_on_every_process(
+        hosts):
+    """A tier of a job is one directory for all or one per process: one that
+    two of four processes share (a mount on some hosts only) is refused at
+    the open, on every process alike, naming who sees whose probes; nothing
+    is left behind in either directory."""
+    res = run_job(MIXED, 4, 1, ["--dir", hosts["dir"]], timeout_s=120)
+    assert all(r.ok for r in res), describe(res)
+    errors = [r.last("error")["error"] for r in res]
+    for e in errors:
+        assert e is not None and "seen by some processes but not all" in e, errors
+        assert "process 0 sees the probes of [0, 1]" in e, e
+    assert len({e.split("(", 2)[2] for e in errors}) == 1  # one decision, each its own path
+    for r in res:
+        assert not [f for f in r.last("left")["left"] if f.startswith(".rc-probe")], r.last("left")
