@@ -234,7 +234,7 @@ class Coordinator:
         for _, st in tiers:
             st.put(probe + str(self.peers.index), memoryview(b""))
         try:
-            self.peers.decide("open (probes written)", {}, lambda views: None)
+            self.peers.barrier("open (probes written)")
             sights = {n: probe_view((int(x[len(probe):]) for x in st.list("", starts_with=probe)
                                      if x[len(probe):].isdigit()),
                                     self.peers.live, self.peers.index) for n, st in tiers}

@@ -155,6 +155,16 @@ class Peers:
             return _through_json(rule(self._all_to_all(what, k, live, view)))
         return self._gather(what, k, live, view, rule)
 
+    def barrier(self, what: str) -> None:
+        """Returns once every live process has called it (a collective round
+        that decides nothing): one request per process on the coordinator,
+        where a `decide` costs three. A process that does not come raises
+        `AgreementError` on every process that waited (with the service's
+        own account of who did not)."""
+        k, live = self.reserve()
+        if len(live) > 1:
+            self._barrier(what, k, live)
+
     def abandon(self, at: Round, lost: set[int]) -> None:
         """Ends round `at`, which the `lost` processes will never join, where
         the others may still wait in it (a save's agreement in the
@@ -257,16 +267,20 @@ class Peers:
         # Everyone has read everything before anyone goes on: a process that
         # finishes its program (process 0 ends the key-value service with it)
         # never leaves a peer reading, and each key can go at once.
+        self._barrier(what, k, live)
+        self._client.key_value_delete(prefix + str(self.index))
+        return out
+
+    def _barrier(self, what: str, k: int, live: tuple[int, ...]) -> None:
         some = list(live) if len(live) < self.count else None
         try:
             self._client.wait_at_barrier(f"{_ROOT}/b/{self.token}/{k}",
                                          int(self.timeout_s * 1000), process_ids=some)
         except Exception as e:  # noqa: BLE001 - the client's errors are untyped
             raise AgreementError(
-                f"not every one of {len(live)} processes finished {what} (round {k}) "
-                f"within {self.timeout_s:g} s: one is gone") from e
-        self._client.key_value_delete(prefix + str(self.index))
-        return out
+                f"not every one of {len(live)} processes reached {what} (round {k}) "
+                f"within {self.timeout_s:g} s: one is gone or not making the same call "
+                f"({e})") from e
 
 
 def _through_json(value: Any) -> Any:

@@ -111,6 +111,26 @@ def test_a_silent_process_is_named_not_a_hang(protocol):
         assert "restore of step 3" in str(e)
 
 
+def test_a_barrier_costs_one_request_a_process_and_names_who_did_not_come():
+    """`Peers.barrier` (the open's wait for every probe): one request per
+    process beside each one's opening count, and the rounds after it stay in
+    step; a process that never comes is named, with the call, on every
+    process that waited."""
+    def body(p):
+        p.barrier("open (probes written)")
+        return p.decide("open", {"x": p.index}, _digest)
+    out, _ = run_job(5, body)
+    assert out == [{"n": 5, "sum": 10}] * 5, out
+    _, service = run_job(6, lambda p: p.barrier("open (probes written)"))
+    assert service.totals()[0] == 6 + 6  # the opening increments, the barrier
+    out, _ = run_job(4, lambda p: "silent" if p.index == 3
+                     else p.barrier("open (probes written)"), timeout_s=0.3)
+    assert out[3] == "silent"
+    for e in out[:3]:
+        assert isinstance(e, AgreementError) and "open (probes written)" in str(e)
+        assert "[3]" in str(e), e  # the service's account: process 3 did not arrive
+
+
 def test_a_silent_leader_is_named_by_every_process_waiting_for_it():
     def body(p):
         if p.index == 0:
