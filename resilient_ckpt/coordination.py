@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .catalog.catalog import Catalog, JobView, probe_view
+from .catalog.catalog import BESIDE_FIRST, Catalog, JobView, probe_view
 from .core import manifest, summary
 from .core.selection import Choice
 from .errors import (
@@ -74,6 +74,7 @@ from .restore.assemble import Hole
 from .restore.loop import restore_alone
 from .save import tierrecord
 from .save.saver import Saver
+from .storage.base import Storage
 
 log = logging.getLogger("resilient_ckpt")
 
@@ -235,11 +236,9 @@ class Coordinator:
             st.put(probe + str(self.peers.index), memoryview(b""))
         try:
             self.peers.barrier("open (probes written)")
-            sights = {n: probe_view((int(x[len(probe):]) for x in st.list("", starts_with=probe)
-                                     if x[len(probe):].isdigit()),
-                                    self.peers.live, self.peers.index) for n, st in tiers}
+            sights = {n: self._sight(st, probe) for n, st in tiers}
             for n, st in tiers:  # what every process will find, unless the open raises
-                st.shared = sights[n] == "shared"
+                st.shared = sights[n] in ("shared", BESIDE_FIRST)
             self._catalog.reload()
             job = self._agree("open", {"probes": {"process": self.peers.index,
                                                   "tiers": sights}}, failures=False)
@@ -252,6 +251,15 @@ class Coordinator:
                     f"the {n} tier ({st.url}) is seen by some processes but not all "
                     f"({job.tiers.get(n)}): give each process a directory of its own (e.g. "
                     "RamTier(path=...) per process) or one that every process sees")
+
+    def _sight(self, st: Storage, probe: str) -> str | list[int]:
+        """What this process reports of a tier's probes (`catalog.tier_kinds`):
+        beside the first live process's probe, or what it lists there."""
+        first = self.peers.live[0]
+        if self.peers.index != first and st.size(probe + str(first)) is not None:
+            return BESIDE_FIRST
+        return probe_view((int(x[len(probe):]) for x in st.list("", starts_with=probe)
+                           if x[len(probe):].isdigit()), self.peers.live, self.peers.index)
 
     def refresh(self, what: str) -> None:
         """Agrees on what exists again (reload, restore)."""

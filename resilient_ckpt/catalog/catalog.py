@@ -95,7 +95,8 @@ class JobView:
                           for a in self.steps.values()],
                 "pending": sorted(self.pending), "errors": self.errors,
                 "orbax": sorted(self.orbax), "unsettled": [list(u) for u in self.unsettled],
-                "save_id": self.save_id, "refusals": self.refusals, "tiers": self.tiers}
+                "save_id": self.save_id, "refusals": self.refusals,
+                **({"tiers": self.tiers} if self.tiers else {})}  # (at an open only)
 
     @classmethod
     def from_json(cls, d: dict) -> JobView:
@@ -649,8 +650,15 @@ def _empty_view() -> dict:
 
 # ------------------------------------------------------------ which tiers are shared
 
+# A process other than the first live one that finds the first one's probe in
+# a tier is in its directory, and says only that: the first one's listing
+# tells the rest. (Listing a shared directory of N probes on every host
+# would read N^2 names from one file server.)
+BESIDE_FIRST = "beside the first"
+
+
 def probe_view(seen: Iterable[int], live: Sequence[int], me: int) -> str | list[int]:
-    """What one process reports of a file tier from the probes it found
+    """What one process reports of a file tier from the probes it listed
     there (the job's process indices): "shared" when it sees every live
     process's probe, "own" when only its own, else the first few it saw (a
     few bytes whatever the job's size, so a round of them stays O(N))."""
@@ -663,25 +671,32 @@ def probe_view(seen: Iterable[int], live: Sequence[int], me: int) -> str | list[
 
 
 def tier_kinds(views: Sequence[dict]) -> dict[str, str]:
-    """Per probed tier, from every process's `probe_view`s (a view's
-    "probes": {"process": its index, "tiers": tier -> sight}): "shared"
-    (every process saw every probe), "own" (each its own only), or what is
-    wrong (a few processes' sights, for the error every process raises)."""
+    """Per probed tier, from every process's sight of it (a view's
+    "probes": {"process": its index, "tiers": tier -> `probe_view`, or
+    `BESIDE_FIRST` from a process but the first}; the first view is the
+    first live process's): "shared" (the first process sees every probe and
+    every other process sees its probe), "own" (each sees its own only), or
+    what is wrong (a few processes' sights, for the error every process
+    raises)."""
     probed = [x.get("probes") for x in views]
     names = sorted({n for p in probed if p is not None for n in p["tiers"]})
     out = {}
     for n in names:
         sights = [(q, None) if p is None else (p["process"], p["tiers"].get(n))
                   for q, p in enumerate(probed)]
-        kinds = {s if isinstance(s, str) else "odd" for _, s in sights}
-        if kinds in ({"shared"}, {"own"}):
-            out[n] = kinds.pop()
+        rest = {s if isinstance(s, str) else "odd" for _, s in sights[1:]}
+        if sights[0][1] == "shared" and rest <= {"shared", BESIDE_FIRST}:
+            out[n] = "shared"
             continue
-        odd = [(q, s) for q, s in sights if s not in ("shared", "own")] \
-            or [(q, s) for q, s in sights if s == "own"]  # (each sees every probe or its own)
+        if sights[0][1] == "own" and rest <= {"own"}:
+            out[n] = "own"
+            continue
+        odd = [(q, s) for q, s in sights if not isinstance(s, str)] \
+            or [(q, s) for q, s in sights if s != "shared"]
         out[n] = "; ".join(
             f"process {q} " + ("did not probe it" if s is None else
                                "sees only its own probe" if s == "own" else
+                               "sees the first process's probe" if s == BESIDE_FIRST else
                                f"sees the probes of {s}")
             for q, s in odd[:4]) + (" ..." if len(odd) > 4 else "")
     return out

@@ -1,17 +1,20 @@
 """Which file tiers a job shares, from the probes each process finds.
 
 At the open every process puts a probe file in each file tier and, after a
-round, lists the probes it sees there. It reports a few bytes per tier
-(`probe_view`: "shared", "own", or the first few it saw), so the open's
-round stays O(N) on the coordinator, and the rule over those reports
-(`tier_kinds`) must decide what the rule over the whole listings decides:
+barrier, looks for the first live process's probe there: a process that
+finds it says only that (`BESIDE_FIRST`: one stat, not a listing of N
+probes on every host); the others, and the first, list the probes they see
+(`probe_view`: "shared", "own", or the first few). Each reports a few
+bytes per tier, so the open's round stays O(N) on the coordinator, and the
+rule over those reports (`tier_kinds`) must decide what the rule over the
+whole listings decides:
 shared when every process sees every probe, its own when each sees only
 its own, an error naming a process for anything between (a directory some
 processes share, or a leftover probe of a dead launch).
 """
 from hypothesis import given, strategies as st
 
-from resilient_ckpt.catalog.catalog import probe_view, tier_kinds
+from resilient_ckpt.catalog.catalog import BESIDE_FIRST, probe_view, tier_kinds
 
 
 def _reference(live: list[int], seen: dict[int, set[int]]) -> str:
@@ -23,8 +26,15 @@ def _reference(live: list[int], seen: dict[int, set[int]]) -> str:
     return "error"
 
 
+def _sight(q: int, seen: set[int], live: list[int]):
+    """As `Coordinator._sight` does from a directory holding `seen`'s probes."""
+    if q != live[0] and live[0] in seen:
+        return BESIDE_FIRST
+    return probe_view(seen, live, q)
+
+
 def _kinds(live: list[int], tiers: dict[str, dict[int, set[int]]]) -> dict[str, str]:
-    views = [{"probes": {"process": q, "tiers": {n: probe_view(seen[q], live, q)
+    views = [{"probes": {"process": q, "tiers": {n: _sight(q, seen[q], live)
                                                  for n, seen in tiers.items()}}}
              for q in live]
     return tier_kinds(views)
@@ -69,8 +79,8 @@ def test_a_report_is_a_few_bytes_whatever_the_job(job):
     live, tiers = job
     for seen in tiers.values():
         for q in live:
-            view = probe_view(seen[q], live, q)
-            assert view in ("shared", "own") or len(view) <= 9
+            view = _sight(q, seen[q], live)
+            assert view in ("shared", "own", BESIDE_FIRST) or len(view) <= 9
 
 
 def test_the_error_names_the_processes_that_see_too_much():
@@ -78,8 +88,13 @@ def test_the_error_names_the_processes_that_see_too_much():
     seen = {0: {0, 1}, 1: {0, 1}, 2: {2}, 3: {3}}  # 0 and 1 share a directory
     got = _kinds(live, {"local": seen})["local"]
     assert "process 0 sees the probes of [0, 1]" in got
-    assert "process 1 sees the probes of [0, 1]" in got
-    assert "process 2" not in got
+    assert "process 1" not in got and "process 2" not in got  # as expected of them
+    seen = {0: {0}, 1: {1, 2}, 2: {1, 2}}  # 1 and 2 share one the first does not see
+    got = _kinds([0, 1, 2], {"local": seen})["local"]
+    assert got == "process 1 sees the probes of [1, 2]; process 2 sees the probes of [1, 2]"
+    seen = {0: {0, 1, 2}, 1: {0, 1, 2}, 2: {2}}  # (a listing that missed a probe)
+    got = _kinds([0, 1, 2], {"local": seen})["local"]
+    assert "process 0 sees the probes of [0, 1, 2]" not in got and "process 2" in got, got
 
 
 def test_a_process_that_did_not_probe_is_named():
