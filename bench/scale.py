@@ -38,8 +38,9 @@ outcome).
 Part 3, the real job (`--job`, default 2,4,8,16,32 processes; --quick 2,4,8):
 N jax.distributed processes of one CPU device each on a tiny sharded state
 (harness/scale_worker.py): a RAM tier per process and a shared local tier,
-every step due, 10 saves and wait_until_finished; opening a manager; a
-restore of the newest step in a fresh manager. Beside it, the same job
+every step due, 10 saves and wait_until_finished; opening a manager (the
+median of 5 opens on each process: one open is a few noisy ms); a restore
+of the newest step in a fresh manager. Beside it, the same job
 with votes forced on (`agreement_vote=True`; by default a job of fewer than
 64 processes agrees through the store), and with Orbax's CheckpointManager
 on the shared directory (every step, keep 2).
