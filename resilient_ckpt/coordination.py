@@ -221,16 +221,19 @@ class Coordinator:
 
     def open(self, writable: bool) -> None:
         """The catalog's first reading, and with several processes the
-        agreement on what exists; a writable manager first tells shared
-        file tiers from per-host ones (`_probe`: before the catalog reads
-        them, for on a shared tier a process reads only its own shares), in
-        one round more, whose sights the open's round checks."""
-        if not (self.peers.many and writable):
+        agreement on what exists. A writable manager first tells shared file
+        tiers from per-host ones, before the catalog reads them (on a shared
+        tier a process reads only its own shares): each process puts a probe
+        in each, and after a barrier reports what it finds (`_sight`) in the
+        open's round, which refuses a tier some processes share and others
+        do not, on every process."""
+        tiers = [(n, st) for n, st in self._catalog.storages().items()
+                 if not st.shared] if self.peers.many and writable else []
+        if not tiers:
             self._catalog.reload()
             if self.peers.many:
                 self._agree("open", failures=False)
             return
-        tiers = [(n, st) for n, st in self._catalog.storages().items() if not st.shared]
         probe = f".rc-probe.{self.peers.token}."
         for _, st in tiers:
             st.put(probe + str(self.peers.index), memoryview(b""))
@@ -250,7 +253,9 @@ class Coordinator:
                 raise ValueError(
                     f"the {n} tier ({st.url}) is seen by some processes but not all "
                     f"({job.tiers.get(n)}): give each process a directory of its own (e.g. "
-                    "RamTier(path=...) per process) or one that every process sees")
+                    "RamTier(path=...) per process) or one that every process sees; a "
+                    f"{probe}* file there that no open of this job is using was left by "
+                    "a killed one and may be deleted")
 
     def _sight(self, st: Storage, probe: str) -> str | list[int]:
         """What this process reports of a tier's probes (`catalog.tier_kinds`):
