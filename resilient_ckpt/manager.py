@@ -18,6 +18,8 @@ Threads: the saver's and the coordinator's pools (their workers end at
 `concurrent.futures` pool's), and `rc-cleanup`, a daemon started by the
 constructor that removes the temporaries dead writers left: it runs no jax,
 and one cut short at exit leaves temporaries that the next manager removes.
+A writable manager on the CPU backend also starts the snapshot's one check
+of this jax, once per process (`snapshot.check_views_early`).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from .errors import StepAlreadyExistsError, StepNotFoundError
 from .multihost.agree import Peers
 from .options import CheckpointManagerOptions, due, resolve
 from .restore.assemble import RestoreRecord, restore_choice
-from .save import cleanup, colocated
+from .save import cleanup, colocated, snapshot
 from .save.saver import Saver, SaveRecord, Tier
 from .save.writer_lock import WriterLock
 
@@ -85,6 +87,8 @@ class CheckpointManager:
         self.save_records: collections.deque = collections.deque(maxlen=256)
         self.restore_records: collections.deque = collections.deque(maxlen=64)
         self._coord.open(plan.writable)
+        if plan.writable:
+            snapshot.check_views_early()  # off the first save's blocking time
         self._cleanup = None
         if o.cleanup_tmp_directories and not o.read_only:
             self._cleanup = threading.Thread(

@@ -162,3 +162,60 @@ def test_a_viewed_save_writes_the_local_tier_past_the_page_cache(tmp_path):
                 os.close(fd)
         got = mngr.restore(1, args=ocp.args.StandardRestore(_abstract(state)))
         np.testing.assert_array_equal(np.asarray(got["w"]), w)
+
+
+CHECK_EARLY = r"""
+import os, sys, tempfile, threading, time
+import jax, numpy as np, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import resilient_ckpt as rc
+from resilient_ckpt.save import snapshot
+
+def checks():
+    return [t for t in threading.enumerate() if t.name == "rc-view-check"]
+
+d, ram = tempfile.mkdtemp(), tempfile.mkdtemp(dir="/dev/shm")
+tiers = [rc.RamTier(every=1, keep=1, path=ram)]
+with rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(tiers=tiers,
+                                                                 read_only=True)):
+    assert snapshot._check_thread is None, "a read-only manager never saves"
+m = rc.CheckpointManager(d, options=rc.CheckpointManagerOptions(tiers=tiers))
+first = snapshot._check_thread
+assert first is not None and first.name == "rc-view-check" and not first.daemon
+first.join(60)
+assert not checks(), "the check ends by itself"
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+w = jax.device_put(np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024),
+                   NamedSharding(mesh, P("x", "y")))
+m.save(0, args=ocp.args.StandardSave({"w": w}))
+viewed = m.save_records[-1].viewed
+m.wait_until_finished()
+got = m.restore(0, args=ocp.args.StandardRestore({"w": jax.ShapeDtypeStruct(
+    w.shape, w.dtype, sharding=w.sharding)}))
+m.close()
+ram2 = tempfile.mkdtemp(dir="/dev/shm")
+m2 = rc.CheckpointManager(d + "-2", options=rc.CheckpointManagerOptions(tiers=[
+    rc.RamTier(every=1, keep=1, path=ram2)]))
+assert snapshot._check_thread is first, "once per process"
+m2.close()
+print("RESULT", viewed, bool(np.array_equal(np.asarray(got["w"]), np.asarray(w))))
+import shutil
+for p in (d, d + "-2", ram, ram2):
+    shutil.rmtree(p, ignore_errors=True)
+"""
+
+
+def test_a_writable_managers_open_checks_views_once_per_process_off_the_first_save():
+    """The first save's one check of this jax (that a viewed buffer is kept
+    when a step donates it: a jit compile) runs on a thread of its own from
+    a writable manager's open, once per process; the first save then views
+    the state and restores exact. A fresh process: the check is per process."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", CHECK_EARLY], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT True True" in out.stdout, out.stdout + out.stderr[-2000:]
