@@ -488,8 +488,9 @@ class ChunkReader:
 
     def maps(self, c: ChunkRecord) -> bool:
         """Whether the chunk's first copy can be mapped rather than read: a
-        RAM-tier object, or a local one the page cache holds whole (asked per
-        chunk: a few system calls, against a new buffer to fault in and fill)."""
+        RAM-tier object, or a local one `Storage.resident` says maps (a pack
+        of the held step, cached or not; else one the page cache holds
+        whole), asked once per chunk."""
         tier = self.first_copy(c)
         if c.codec != "raw" or tier is None:
             return False

@@ -344,7 +344,7 @@ def viewable(sources: list) -> bool:
     memory, and numpy views it without a copy), and jax here neither donates
     nor frees a buffer that a view holds (`_views_pin_buffers`)."""
     arrays = [src for *_, src, _ in sources if isinstance(src, jax.Array)]
-    if not (arrays and all(d.platform == "cpu" for a in arrays for d in a.devices())):
+    if not (arrays and all(_on_host(a) for a in arrays)):
         return False
     with _check_lock:
         started = _check_thread
@@ -357,7 +357,7 @@ def _on_host(a: jax.Array) -> bool:
     """Whether `a`'s buffer is host memory already (the CPU backend), where
     numpy reads it in place: there an asynchronous copy to the host only
     costs its call (35 us a shard for arrays a restore made here)."""
-    return next(iter(a.devices())).platform == "cpu"
+    return all(d.platform == "cpu" for d in a.devices())
 
 
 _check_lock = threading.Lock()
