@@ -33,7 +33,7 @@ largest simulated N) and the latency the model
 which the simulated lines also print (`model_s`) to check it against their
 measured wall. A save adds one agreement (its views); a restore three (one
 with views, two of a few bytes: who reads the step, then each process's
-outcome).
+outcome), in a job that votes three votes.
 
 Part 3, the real job (`--job`, default 2,4,8,16,32 processes; --quick 2,4,8):
 N jax.distributed processes of one CPU device each on a tiny sharded state
@@ -328,13 +328,17 @@ def simulate(a, costs: dict) -> dict:
         decided["vote", n] = got if got == want else ("differs", got)
         cpu = r["encode_s_max"] + r["decide_s"]
         latency = vote_model_s(n, costs["vote_s"], cpu)
+        # A restore in a job that votes: that vote (what exists), then two of a
+        # few numbers each (who reads the step, each process's outcome).
+        restore = latency + 2 * vote_model_s(n, costs["vote_s"], 0.0)
         emit({"bench": BENCH, "system": "resilient_ckpt", "case": "vote", "processes": n,
               "modeled": True, "same_everywhere": same, "same_as_all_views": got == want, **r,
-              "save_agreement_s": latency,
+              "save_agreement_s": latency, "restore_agreements_s": restore,
               "ring_s": 2 * (n - 1) * costs["vote_s"] + cpu})
         if n in (1024, 4096):
             summary[f"vote_requests_at_{n}"] = 0
             summary[f"vote_save_agreement_s_at_{n}"] = latency
+            summary[f"vote_restore_agreements_s_at_{n}"] = restore
     summary["decisions_differ"] = (
         any(decided["gather", n] != decided["all-to-all", n] for n in simulated)
         or any(isinstance(d, tuple) for k, d in decided.items() if k[0] == "vote"))

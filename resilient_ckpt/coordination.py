@@ -36,11 +36,14 @@ saves after the first, of `finish` and of reloads and restores are first
 put to the job's vote (`_start_vote`, `_voted`): each process's view as a
 fixed vector (`core.summary`), one all-reduce over the devices
 (`multihost.vote`), dispatched where every process dispatches its training
-programs, so in the same order everywhere. What the vote cannot decide (an
-irregular view anywhere, which every process sees alike) and a vote that
-failed go through the key-value store (`agree.Peers.decide`), which names
-a process that does not answer. The open, a manager's first save, the
-restore's own rounds and every round after a loss always use the store.
+programs, so in the same order everywhere. A restore's own rounds are
+votes of a few numbers (`_small_vote`): whether some process lacks the step
+and the first that has it; whether some process failed or left holes. What
+a vote cannot decide (an irregular view, a failure or a hole anywhere,
+which every process sees alike) and a vote that failed go through the
+key-value store (`agree.Peers.decide`), which names a process that does
+not answer. The open, a manager's first save and every round after a loss
+always use the store.
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .catalog.catalog import BESIDE_FIRST, Catalog, JobView, probe_view
 from .core import manifest, summary
@@ -175,40 +180,57 @@ class Coordinator:
         `wait_until_finished`, a reload): this process's vector dispatched to
         the job's all-reduce (`core.summary`, `multihost.vote`), with what
         `_voted` decides from."""
-        names = self._catalog.names
-        if self._vote is None:
-            self._vote = DeviceVote(self.peers.live, summary.WIDTH)
         candidates = sorted(set(self._catalog.agreed_saves())
                             | {(s, sid, self.peers.size) for s, sid in self._recent})
         view = self._catalog.report(self._saver.pending(), [str(e) for e in errors])
-        row = summary.encode(view, candidates, names, self.peers.rank, self.peers.size)
-        try:  # the first vote of a job also joins every process's devices: it waits for them
-            result: Any = self._vote.start(row)
-        except Exception as e:  # noqa: BLE001 - jax's runtime errors are untyped
-            result = AgreementError(f"{what}: the job's vote could not start: {e}")
-        return result, candidates, errors, view["orbax"], what
+        row = summary.encode(view, candidates, self._catalog.names, self.peers.rank,
+                             self.peers.size)
+        return self._dispatch(what, row), candidates, errors, view["orbax"], what
 
-    def _voted(self, vote: tuple) -> JobView | None:
-        """What the job's vote decided; None where the job agrees through the
-        store instead: some view was irregular (every process sees that), or
-        the vote failed here (the store's round then names a process that
-        does not answer). A vote given up after a loss (`set_live`) raises."""
-        result, candidates, _, orbax, what = vote
+    def _dispatch(self, what: str, row: np.ndarray) -> Any:
+        """`row` sent to the job's all-reduce: its future result, or the
+        AgreementError of a vote that could not start."""
+        if self._vote is None:
+            self._vote = DeviceVote(self.peers.live, summary.WIDTH)
+        try:  # the first vote of a job also joins every process's devices: it waits for them
+            return self._vote.start(row)
+        except Exception as e:  # noqa: BLE001 - jax's runtime errors are untyped
+            return AgreementError(f"{what}: the job's vote could not start: {e}")
+
+    def _reduced(self, result: Any, what: str) -> np.ndarray | None:
+        """The job's maximum of every process's row; None where the vote failed
+        here (the store's round then names a process that does not answer). A
+        vote given up after a loss (`set_live`) raises."""
         cancel = self._cancel
         try:
             if isinstance(result, Exception):
                 raise result
-            reduced = DeviceVote.wait(result, what, self.peers.timeout_s, cancel)
+            return DeviceVote.wait(result, what, self.peers.timeout_s, cancel)
         except AgreementError as e:
             if cancel.is_set():
                 raise
             log.warning("%s; agreeing through the store instead", e)
             return None
-        decided = summary.decide(reduced, candidates, self._catalog.names, orbax)
+
+    def _voted(self, vote: tuple) -> JobView | None:
+        """What the job's vote decided; None where the job agrees through the
+        store instead: some view was irregular (every process sees that), or
+        the vote failed here."""
+        result, candidates, _, orbax, what = vote
+        reduced = self._reduced(result, what)
+        decided = None if reduced is None else summary.decide(reduced, candidates,
+                                                              self._catalog.names, orbax)
         if decided is None:
             return None
         self.votes += 1
         return JobView.from_json(decided)
+
+    def _small_vote(self, what: str, row: np.ndarray) -> np.ndarray | None:
+        """A restore's round of a few numbers from each process
+        (`summary.reader_row`, `outcome_row`) by the job's vote where the job
+        votes: their maximum over every process; None where the round goes
+        through the store instead."""
+        return self._reduced(self._dispatch(what, row), what) if self._can_vote() else None
 
     def close(self) -> None:
         """Ends the background agreement thread (after `finish`)."""
@@ -421,8 +443,7 @@ class Coordinator:
             failure, error = ["error", f"{type(e).__name__}: {e}"], e
         if reported:  # failed after telling the others it had read its part
             raise error or CheckpointError(f"restore of step {step} failed: {failure[1]}")
-        out = self.peers.decide(f"restore of step {step}", {"failure": failure, "holes": []},
-                                _outcomes)
+        out = self._outcome(step, {"failure": failure, "holes": []})
         return None, [(self.peers.live[q], f) for q, f in out["failures"]], error
 
     def _attempt(self, step: int, choice: Choice, attempt: Callable[..., Any],
@@ -453,10 +474,15 @@ class Coordinator:
         """Where this process can read nothing of `step` but a peer holds all of
         it, the step's records without chunks, from the first peer that has
         them: then every shard here is filled from the peers."""
-        first = self.peers.decide(  # a position in peers.live, or None: nothing to share
-            f"restore of step {step} (who reads it)", {"has": choice is not None},
-            lambda views: None if all(v["has"] for v in views) else
-            next((q for q, v in enumerate(views) if v["has"]), None))
+        what = f"restore of step {step} (who reads it)"
+        has = choice is not None
+        reduced = self._small_vote(what, summary.reader_row(has, self.peers.rank,
+                                                            self.peers.size))
+        if reduced is not None:
+            self.votes += 1
+            first = summary.first_reader(reduced, self.peers.size)
+        else:  # a position in peers.live, or None: nothing to share
+            first = self.peers.decide(what, {"has": has}, summary.first_reader_of)
         if first is None:
             return choice
         doc = None
@@ -478,8 +504,7 @@ class Coordinator:
         """After this process read its part: every process's outcome, then the
         fill from peers of the shards some process could not read."""
         mine = sorted(w for w, h in holes.items() if not all(h.have.values()))
-        out = self.peers.decide(f"restore of step {step}", {"failure": None, "holes": mine},
-                                _outcomes)
+        out = self._outcome(step, {"failure": None, "holes": mine})
         failures = [(self.peers.live[q], f) for q, f in out["failures"]]
         if failures:
             raise _Abandoned(failures)
@@ -499,6 +524,20 @@ class Coordinator:
             raise _Abandoned([(q, ["fallback", "some of its shards are held by no process"])
                               for q in short])
         return filled
+
+    def _outcome(self, step: int, view: dict) -> dict:
+        """A restore attempt's round: every process's failure and the holes it
+        left. By a vote where the job votes, which decides when every process
+        read its part whole; a failure or a hole anywhere (every process sees
+        the same maximum) and the round goes through the store with the views."""
+        what = f"restore of step {step}"
+        reduced = self._small_vote(what, summary.outcome_row(bool(view["failure"]),
+                                                             bool(view["holes"])))
+        if reduced is not None and not reduced[0]:
+            self.votes += 1
+            return {"failures": [], "holes": []}
+        return self.peers.decide(what, view, _outcomes)
+
 
 def _outcomes(views: list[dict]) -> dict:
     """A restore round's rule: each failure by position, and the union of holes."""

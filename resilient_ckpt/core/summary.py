@@ -1,4 +1,5 @@
-"""A save's agreement as one fixed-size vector per process, combined by max.
+"""A save's (and a restore's) agreement as one fixed-size vector per process,
+combined by max.
 
 The job's rule (`catalog.JobView.decided` over every process's view) needs
 every view; at thousands of hosts, moving them through one coordinator costs
@@ -28,6 +29,9 @@ every process knows alike). A candidate's slot holds maxima of:
 - `pending`: a process is still writing the candidate's step;
 - `created`: the newest `created` of the shares reported, as the bits of a
   non-negative float64 (whose order as integers is the floats' order).
+A restore's two later rounds are vectors of the same width (`reader_row`,
+`outcome_row`): who reads the step, and whether every process read its part
+whole.
 Pure functions of their inputs, checked against the full rule by a
 Hypothesis property (tests/core/test_summary.py).
 """
@@ -151,3 +155,37 @@ def decide(reduced: np.ndarray, candidates: Sequence[Save], tiers: Sequence[str]
     return {"steps": [agreed[s] for s in sorted(agreed)], "pending": sorted(pending),
             "errors": [], "orbax": sorted(set(orbax) - set(agreed)),
             "unsettled": [list(u) for u in unsettled], "save_id": None, "refusals": []}
+
+
+# A restore's two later rounds, in the first values of a vector of the same
+# width (the job's one reduction program): who reads the step, each
+# process's outcome. Beside each encoding, the store's rule over every view.
+
+def reader_row(has: bool, rank: int, size: int) -> np.ndarray:
+    """Whether this process lacks the step, and (size - rank) where it has it:
+    after the max, whether some process lacks it and the first that has it."""
+    out = np.zeros(WIDTH, np.int64)
+    out[0], out[1] = int(not has), size - rank if has else 0
+    return out
+
+
+def first_reader(reduced: np.ndarray, size: int) -> int | None:
+    """The first process (a rank) that has the step where some process lacks
+    it; None where every process has it, or none does."""
+    return size - int(reduced[1]) if reduced[0] and reduced[1] else None
+
+
+def first_reader_of(views: Sequence[dict]) -> int | None:
+    """The store's rule: the same answer from every process's {"has": bool}."""
+    if all(v["has"] for v in views):
+        return None
+    return next((q for q, v in enumerate(views) if v["has"]), None)
+
+
+def outcome_row(failed: bool, holes: bool) -> np.ndarray:
+    """Whether this process failed its part of a restore or left shards unread:
+    after the max, whether the round needs every process's account (the store)."""
+    out = np.zeros(WIDTH, np.int64)
+    out[0] = int(failed or holes)
+    return out
+

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, settings, strategies as st
 
 from resilient_ckpt.catalog.catalog import JobView
 from resilient_ckpt.core import summary
@@ -108,3 +108,20 @@ def test_a_negative_or_nan_created_sends_the_job_to_the_store():
         views = [_view(0, 1, steps=())]
         views[0]["shares"] = [Share(10, "id10", 0, 1, "ram", when).to_json()]
         assert vote(views, [(10, "id10", 1)]) is None
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=64))
+@settings(max_examples=effort.examples(300), deadline=None)
+def test_a_restore_s_vote_picks_the_reader_the_store_s_rule_picks(has):
+    size = len(has)
+    reduced = np.max([summary.reader_row(h, q, size) for q, h in enumerate(has)], axis=0)
+    assert summary.first_reader(reduced, size) == summary.first_reader_of(
+        [{"has": h} for h in has])
+
+
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=64))
+@settings(max_examples=effort.examples(300), deadline=None)
+def test_a_restore_s_outcome_vote_decides_only_when_nothing_is_missing(outcomes):
+    reduced = np.max([summary.outcome_row(f, h) for f, h in outcomes], axis=0)
+    assert reduced.shape == (summary.WIDTH,)
+    assert (not reduced[0]) == (not any(f or h for f, h in outcomes))

@@ -121,6 +121,7 @@ def run(ctx):
         out["bytes_by_tier"] = {}
         out["served"] = {"orbax": 1}
     out["restore_s"] = time.perf_counter() - t
+    out["votes"] = getattr(getattr(mngr, "_coord", None), "votes", None)
     out["state_step"] = int(np.asarray(state["step"].addressable_shards[0].data))
     bad = ctx.check_exact(state, out["step"])
     out["mismatches"] = len(bad)
@@ -384,6 +385,28 @@ def test_a_lost_hosts_share_comes_from_its_peers_ram_before_the_shared_tier(host
     step = assert_agree_exact(res, reports, "restore after host 1 lost its RAM tier")
     assert step == 6, summary(reports)
     assert all(r["bytes_by_tier"].get("local", 0) == 0 for r in reports), summary(reports)
+    assert reports[1]["bytes_by_tier"].get("peers") == reports[1]["target_bytes"], \
+        summary(reports)
+
+
+def test_a_voting_job_restores_by_votes_and_takes_a_hole_through_the_store(hosts):
+    """In a job that votes, a restore's rounds (what exists, who reads the
+    step, each process's outcome) are votes; when host 1 has lost its RAM,
+    the vote says some process lacks the step and which has it, the records
+    and the holes go through the store, and host 1's shards still come from
+    host 0's devices: the same step, exact, as without votes."""
+    mesh = ["--mesh", "2,2,2"]
+    train(hosts, steps=7, extra=mesh)  # step 7 is in RAM only (local: 3 and 6)
+    res, reports = restore(hosts, extra=mesh, system="ours-vote")
+    assert assert_agree_exact(res, reports, "a voting job's restore") == 7, summary(reports)
+    assert [r["votes"] for r in reports] == [3, 3], [r["votes"] for r in reports]
+    assert all(r["bytes_by_tier"].get("peers", 0) == 0 for r in reports), summary(reports)
+    shutil.rmtree(hosts["ram_of"](1))
+    res, reports = restore(hosts, extra=mesh, system="ours-vote")
+    step = assert_agree_exact(res, reports, "a voting job's restore after host 1 lost its RAM")
+    assert step == 7, summary(reports)
+    # what exists and who reads by votes; host 1's hole by the store's round
+    assert [r["votes"] for r in reports] == [2, 2], [r["votes"] for r in reports]
     assert reports[1]["bytes_by_tier"].get("peers") == reports[1]["target_bytes"], \
         summary(reports)
 
