@@ -73,10 +73,12 @@ def abstract_item(item: ItemRecord) -> Any:
     sharding where its devices exist), scalar values, JSON values."""
     if item.kind == "json":
         return item.value
-    pairs = []
+    pairs: list[tuple] = []
+    meshes: dict = {}  # each saved mesh rebuilt once
     for lf in item.leaves:
         if lf.kind == "array":
-            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype), sharding=rebuild(lf.sharding))
+            v = jax.ShapeDtypeStruct(lf.shape, jnp.dtype(lf.dtype),
+                                     sharding=rebuild(lf.sharding, meshes))
         elif lf.kind == "prng_key":
             v = jax.ShapeDtypeStruct(lf.shape[:-1], jax.random.key(0, impl=lf.key_impl).dtype)
         elif lf.kind in ("numpy", "numpy_scalar"):

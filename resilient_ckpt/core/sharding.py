@@ -6,6 +6,7 @@ and writes / rebuilds the JSON description of a jax sharding kept in manifests.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -54,14 +55,14 @@ def box_elements(box: Box) -> int:
 
 
 def describe(sharding: jax.sharding.Sharding) -> dict:
-    """A JSON description of a sharding, enough to rebuild it on the same devices."""
+    """A JSON description of a sharding, enough to rebuild it on the same
+    devices. The leaves of one mesh share its lists (`_mesh_lists`): never
+    change a description in place."""
     if isinstance(sharding, jax.sharding.NamedSharding):
-        mesh = sharding.mesh
+        axes, shape, ids = _mesh_lists(sharding.mesh)
         spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-        return {"type": "named", "axis_names": list(mesh.axis_names),
-                "mesh_shape": list(mesh.devices.shape),
-                "device_ids": [int(d.id) for d in mesh.devices.flat],
-                "spec": spec}
+        return {"type": "named", "axis_names": axes, "mesh_shape": shape,
+                "device_ids": ids, "spec": spec}
     # jaxlib ships no stubs for _jax, so jax's Device type is unresolved.
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         (d,) = sharding.device_set
@@ -71,11 +72,53 @@ def describe(sharding: jax.sharding.Sharding) -> dict:
             "repr": repr(sharding)[:200]}
 
 
-def rebuild(desc: dict | None) -> jax.sharding.Sharding | None:
+@functools.lru_cache(maxsize=64)
+def _mesh_lists(mesh: jax.sharding.Mesh) -> tuple[list[str], list[int], list[int]]:
+    """A mesh's axis names, shape and device ids, made once per mesh: on
+    thousands of hosts a mesh has tens of thousands of devices, and a state a
+    thousand leaves (jax hashes a mesh once)."""
+    return (list(mesh.axis_names), list(mesh.devices.shape),
+            [int(d.id) for d in mesh.devices.flat])
+
+
+def rebuild(desc: dict | None, meshes: dict | None = None) -> jax.sharding.Sharding | None:
     """The described sharding on this job's devices, or None when any of its
-    devices is gone (or it cannot be rebuilt) and the caller must choose one."""
+    devices is gone (or it cannot be rebuilt) and the caller must choose one.
+    `meshes`: the caller's memo of the meshes rebuilt (one per mesh, where the
+    leaves of a manifest share their mesh's lists) for as long as the devices
+    do not change, as in one restore."""
     if not desc:
         return None
+    if desc["type"] == "single_device":
+        d = {d.id: d for d in jax.devices()}.get(desc["device_id"])
+        return jax.sharding.SingleDeviceSharding(d) if d is not None else None
+    if desc["type"] != "named":
+        return None
+    ids = desc["device_ids"]
+    key = (id(ids), id(desc["mesh_shape"]), id(desc["axis_names"]))
+    held = meshes.get(key) if meshes is not None else None
+    if held is None or held[0] is not ids:  # (the memo keeps `ids` alive: no id reused)
+        held = (ids, _mesh(desc))
+        if meshes is not None:
+            meshes[key] = held
+    mesh = held[1]
+    if mesh is None:
+        return None
+    spec = jax.sharding.PartitionSpec(
+        *[tuple(p) if isinstance(p, list) else p for p in desc["spec"]])
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
+def _mesh(desc: dict) -> jax.sharding.Mesh | None:
+    """A named description's mesh on this job's devices; None where one is gone."""
+    by_id = {d.id: d for d in jax.devices()}
+    ids = desc["device_ids"]
+    if any(i not in by_id for i in ids):
+        return None
+    # (np.fromiter: np.array of a list of devices probes each as a sequence,
+    # 40 times slower at thousands of devices)
+    devs = np.fromiter((by_id[i] for i in ids), dtype=object, count=len(ids))
+    return jax.sharding.Mesh(devs.reshape(desc["mesh_shape"]), tuple(desc["axis_names"]))
     by_id = {d.id: d for d in jax.devices()}
     if desc["type"] == "single_device":
         d = by_id.get(desc["device_id"])

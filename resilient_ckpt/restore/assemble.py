@@ -124,8 +124,8 @@ def _key_data_sharding(s: jax.sharding.Sharding | None) -> jax.sharding.Sharding
     return s
 
 
-def _default_sharding(rec: LeafRecord, where: str) -> jax.sharding.Sharding:
-    s = rebuild(rec.sharding)
+def _default_sharding(rec: LeafRecord, where: str, layouts: Layouts) -> jax.sharding.Sharding:
+    s = rebuild(rec.sharding, layouts.meshes)
     if s is not None:
         return s
     if rec.sharding and rec.sharding.get("type") != "other":
@@ -315,10 +315,12 @@ class Layouts:
     """What the leaves of one layout share, worked out once per restore
     rather than per leaf (a model's state has thousands of leaves and a
     handful of layouts): the target boxes of a (sharding, shape), and the
-    plans of those boxes against the saved chunks (planner.LayoutPlans)."""
+    plans of those boxes against the saved chunks (planner.LayoutPlans), and
+    the saved meshes rebuilt (`sharding.rebuild`)."""
 
     def __init__(self) -> None:
         self.plans = LayoutPlans()
+        self.meshes: dict = {}
         self._targets: dict[tuple, Targets] = {}
 
     def targets(self, sharding: jax.sharding.Sharding, shape: tuple) -> Targets:
@@ -450,7 +452,7 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
         return numpy_leaf
     sharding = tgt.sharding if tgt.kind == "jax" else None
     if rec.kind == "prng_key":
-        data_sharding = _key_data_sharding(sharding) or _default_sharding(rec, where)
+        data_sharding = _key_data_sharding(sharding) or _default_sharding(rec, where, layouts)
         data = _start_jax(rec, data_sharding, reader, where, layouts=layouts)
 
         def key_leaf() -> Any:
@@ -459,7 +461,7 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
                 reader.fills[where].out, reader.fills[where].key_impl = key, rec.key_impl
             return key
         return key_leaf
-    return _start_jax(rec, sharding or _default_sharding(rec, where), reader, where, cast,
+    return _start_jax(rec, sharding or _default_sharding(rec, where, layouts), reader, where, cast,
                       tgt.into, layouts)
 
 

@@ -49,9 +49,27 @@ def _doc():
     return json.loads(mf.to_json(sample()))
 
 
+def _v3(d: dict) -> dict:
+    """`d` (a version-4 document) as a version-3 writer wrote it: each named
+    sharding with its mesh written out, device ids listed, no `meshes`."""
+    meshes = d.pop("meshes")
+    for it in d["items"]:
+        for lf in it["leaves"]:
+            s = lf["sharding"]
+            if s and s["type"] == "named":
+                m = meshes[s["mesh"]]
+                ids = [i for first, n in m["device_ids"] for i in range(first, first + n)]
+                lf["sharding"] = {"type": "named", "axis_names": m["axis_names"],
+                                  "mesh_shape": m["mesh_shape"], "device_ids": ids,
+                                  "spec": s["spec"]}
+    d["version"] = 3
+    return d
+
+
 def _unpacked(d: dict, version: int) -> dict:
-    """`d` (a version-3 document) as a version `version` (1 or 2) writer wrote
+    """`d` (a version-4 document) as a version `version` (1 or 2) writer wrote
     it: no `pack` or `pack_offset` in its chunks."""
+    d = _v3(d)
     for it in d["items"]:
         for lf in it["leaves"]:
             for c in lf["chunks"]:
@@ -74,7 +92,7 @@ def test_the_checksum_covers_every_byte_before_the_trailer():
     data = mf.to_json(sample())
     body, _, tail = data.rpartition(TRAILER)
     assert int(tail[:-1]) == google_crc32c.value(body) and tail.endswith(b"}")
-    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 3
+    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 4
     assert encode(json.loads(data)) == data  # the spec's recipe gives the writer's bytes
 
 
@@ -104,13 +122,13 @@ def test_version_2_without_its_checksum_is_corrupt():
         mf.parse(spaced)
 
 
-def test_version_1_is_read_without_a_checksum_and_rewritten_as_version_3():
+def test_version_1_is_read_without_a_checksum_and_rewritten_in_the_current_format():
     d = _unpacked(_doc(), 1)
     del d["manifest_crc32c"]
     m = mf.parse(json.dumps(d, indent=2).encode())  # any JSON layout parses in version 1
     assert m.version == 1 and m == sample()
     again = mf.to_json(m)  # a copy to another tier is written in the current format
-    assert mf.parse(again).version == 3
+    assert mf.parse(again).version == mf.FORMAT_VERSION
     with pytest.raises(CorruptCheckpointError, match="version 1 manifest cannot carry"):
         mf.parse(encode(dict(d)))
 
@@ -265,18 +283,42 @@ DEFECTS = {
                              W + ".sharding.device_id"),
     "named without spec": (lambda d: _leaf(d, 3)["sharding"].pop("spec"),
                            KEY + ".sharding lacks fields ['spec']"),
-    "named, devices do not fill the mesh": (
-        lambda d: _leaf(d, 3)["sharding"].update(device_ids=[0]), KEY + ".sharding: mesh_shape"),
-    "named, device twice": (lambda d: _leaf(d, 3)["sharding"].update(device_ids=[1, 1]),
-                            KEY + ".sharding.device_ids names a device twice"),
+    "mesh, devices do not fill it": (
+        lambda d: d["meshes"][0].update(device_ids=[[0, 1]]), "meshes[0]: mesh_shape [2, 1]"),
+    "mesh, device twice": (lambda d: d["meshes"][0].update(device_ids=[[1, 1], [1, 1]]),
+                           "meshes[0].device_ids names a device twice"),
+    "mesh, a run past the mesh": (lambda d: d["meshes"][0].update(device_ids=[[0, 3]]),
+                                  "meshes[0].device_ids[0]: its 3 devices from 0 overrun"),
+    "mesh, an empty run": (lambda d: d["meshes"][0].update(device_ids=[[0, 0], [0, 2]]),
+                           "meshes[0].device_ids[0] must be a run [first, count]"),
+    "mesh, a run of three": (lambda d: d["meshes"][0].update(device_ids=[[0, 1, 1]]),
+                             "meshes[0].device_ids[0] has 3 entries"),
+    "mesh, a run not a list": (lambda d: d["meshes"][0].update(device_ids=[0, 1]),
+                               "meshes[0].device_ids[0] must be a list"),
+    "mesh, a negative id": (lambda d: d["meshes"][0].update(device_ids=[[-1, 2]]),
+                            "meshes[0].device_ids[0][0] must be an integer"),
+    "mesh, past the largest id": (lambda d: d["meshes"][0].update(device_ids=[[2**63 - 1, 2]]),
+                                  "overrun the mesh of 2 devices (or the largest id)"),
+    # a mesh of 2**40 devices in one run: refused before a single id is made
+    "mesh, too many devices": (lambda d: d["meshes"][0].update(
+        mesh_shape=[2**40, 1], device_ids=[[0, 2**40]]), "more than the 1048576 a mesh may"),
+    "mesh, an unknown field": (lambda d: d["meshes"][0].update(hosts=[0]),
+                               "meshes[0] has unknown fields ['hosts']"),
+    "meshes not a list": (lambda d: d.update(meshes={}), "meshes must be a list"),
+    "mesh index out of range": (lambda d: _leaf(d, 3)["sharding"].update(mesh=1),
+                                KEY + ".sharding.mesh must be an integer in [0, 0]"),
+    "mesh index of no mesh": (lambda d: d.update(meshes=[]),
+                              KEY + ".sharding.mesh names a mesh, and the manifest's meshes"),
+    "named with its devices inline": (lambda d: _leaf(d, 3)["sharding"].update(device_ids=[0]),
+                                      KEY + ".sharding has unknown fields ['device_ids']"),
     "named, unknown axis in spec": (lambda d: _leaf(d, 3)["sharding"].update(spec=["z"]),
                                     KEY + ".sharding.spec[0] must be one of"),
     "named, spec longer than rank": (lambda d: _leaf(d, 3)["sharding"].update(spec=[None, None]),
                                      KEY + ".sharding.spec has 2 entries"),
     "named, axis used twice": (lambda d: _leaf(d, 3)["sharding"].update(spec=[["x", "x"]]),
                                KEY + ".sharding.spec uses a mesh axis twice"),
-    "named, axes and mesh disagree": (lambda d: _leaf(d, 3)["sharding"].update(mesh_shape=[2]),
-                                      KEY + ".sharding: axis_names"),
+    "mesh, axes and shape disagree": (lambda d: d["meshes"][0].update(mesh_shape=[2]),
+                                      "meshes[0]: axis_names"),
     "other, repr too long": (lambda d: _leaf(d).update(sharding={
         "type": "other", "device_ids": [0], "repr": "x" * 201}), W + ".sharding.repr"),
     "other, ids unsorted": (lambda d: _leaf(d).update(sharding={
@@ -376,7 +418,7 @@ def _packed(offsets: list[int], pack: str = "abababab.p0.0000beef") -> dict:
 
 def test_packed_chunks_round_trip_and_name_their_pack():
     m = mf.parse(encode(_packed([0, 4096, 8192, 12288])))
-    assert m.version == 3 and m.objects() == ["abababab.p0.0000beef"]
+    assert m.version == mf.FORMAT_VERSION and m.objects() == ["abababab.p0.0000beef"]
     assert mf.parse(mf.to_json(m)) == m
     c = next(c for _, _, c in m.chunks())
     assert c.object == "abababab.p0.0000beef" and c.observed(4096 + 1) == c.stored_nbytes
@@ -410,3 +452,66 @@ def test_a_pack_named_as_an_unpacked_chunk_is_corrupt():
     c1["pack"] = c0["key"]
     with pytest.raises(CorruptCheckpointError, match="an unpacked chunk's"):
         mf.parse(encode(d), "m.json")
+
+
+# --------------------------------------------------------------- meshes (version 4)
+
+V3_DEFECTS = {
+    "devices do not fill the mesh": (dict(device_ids=[0]), KEY + ".sharding: mesh_shape"),
+    "device twice": (dict(device_ids=[1, 1]), KEY + ".sharding.device_ids names a device twice"),
+    "axes and mesh disagree": (dict(mesh_shape=[2]), KEY + ".sharding: axis_names"),
+}
+
+
+def test_version_3_is_read_with_each_mesh_written_out():
+    d = _v3(_doc())
+    m = mf.parse(encode(d), "m.json")
+    assert m.version == 3 and m == sample()
+    assert mf.parse(mf.to_json(m)).version == mf.FORMAT_VERSION
+    d["meshes"] = []  # a version-4 field
+    with pytest.raises(UnsupportedFormatError, match="meshes"):
+        mf.parse(encode(d), "m.json")
+
+
+@pytest.mark.parametrize("name", sorted(V3_DEFECTS))
+def test_a_version_3_named_sharding_is_checked_in_place(name):
+    change, msg = V3_DEFECTS[name]
+    d = _v3(_doc())
+    _leaf(d, 3)["sharding"].update(change)
+    with pytest.raises(CorruptCheckpointError, match="tier/7/m.json: ") as ei:
+        mf.parse(encode(d), "tier/7/m.json")
+    assert msg in str(ei.value)
+
+
+def _many_leaves(ids: list[int], leaves: int = 1000) -> mf.Manifest:
+    """A manifest of `leaves` FSDP leaves on one mesh of the devices `ids`,
+    each leaf with its own description (as a parsed version-3 manifest has)."""
+    recs = tuple(
+        mf.LeafRecord((("key", f"w{i}"),), "array", (16384, 4), "float32",
+                      {"type": "named", "axis_names": ["data", "model"],
+                       "mesh_shape": [len(ids), 1], "device_ids": list(ids),
+                       "spec": ["data", None]}, None, None,
+                      (mf.ChunkRecord((0, 0), (1, 4), f"ab.c0.{i}.0_0", 16, 16, 1),))
+        for i in range(leaves))
+    return mf.Manifest(7, "ab" * 16, 1.5, 0, 4096, (mf.ItemRecord("default", "pytree", recs),))
+
+
+def test_a_mesh_of_thousands_of_hosts_is_written_once_not_per_leaf():
+    """1,000 leaves on 16,384 devices (4,096 hosts of 4): each leaf's sharding
+    names the mesh by index, its ids one run; in any order, the ids once."""
+    in_order = _many_leaves(list(range(16384)))
+    small = _many_leaves(list(range(8)))
+    data = mf.to_json(in_order)
+    assert len(data) - len(mf.to_json(small)) < 200, len(data)  # the ids' one run
+    assert json.loads(data)["meshes"] == [{"axis_names": ["data", "model"],
+                                           "mesh_shape": [16384, 1],
+                                           "device_ids": [[0, 16384]]}]
+    back = mf.parse(data)
+    assert back == in_order
+    shared = {id(lf.sharding["device_ids"]) for lf in back.items[0].leaves}
+    assert len(shared) == 1  # every leaf's description holds the one list of the mesh
+    shuffled = list(range(16384))
+    shuffled[::2], shuffled[1::2] = shuffled[1::2], shuffled[::2]  # no two in a row
+    data = mf.to_json(_many_leaves(shuffled))
+    assert len(data) < len(mf.to_json(small)) + 16384 * 12, len(data)  # each id once
+    assert mf.parse(data) == _many_leaves(shuffled)

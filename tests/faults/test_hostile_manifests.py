@@ -212,7 +212,7 @@ WRONG = ["7", 1.5, True, {}, None, -1, 2**64, [[]]]
 CHUNK_FIELDS = ["offsets", "sizes", "key", "nbytes", "stored_nbytes", "crc32c", "codec",
                 "block_bytes", "block_crc32c"]
 LEAF_FIELDS = ["path", "kind", "shape", "dtype", "chunks"]  # where null is never valid
-TOP_FIELDS = ["format", "version", "step", "save_id", "created", "process", "items"]
+TOP_FIELDS = ["format", "version", "step", "save_id", "created", "process", "meshes", "items"]
 BAD_DTYPES = ["float33", "object", ">f4", "<f4", "U4", "V4", "S3", "float128", "f4", ""]
 
 
@@ -236,7 +236,9 @@ def rewrites(draw):
     wrong = draw(st.sampled_from([v for v in WRONG if not (
         (field == "created" and type(v) in (int, float) and abs(v) <= 2**63)
         or (field in ("save_id", "key") and isinstance(v, str)))]))
-    sfield = draw(st.sampled_from(["type", "axis_names", "mesh_shape", "device_ids", "spec"]))
+    # a leaf's named sharding, or the mesh it names in the manifest's table
+    sfield = draw(st.sampled_from(["type", "mesh", "spec", "meshes.axis_names",
+                                   "meshes.mesh_shape", "meshes.device_ids"]))
     bad_dtype = draw(st.sampled_from(BAD_DTYPES))
     delta = draw(st.sampled_from([-4, -1, 1, 2**20, 2**62]))
     huge = draw(st.sampled_from([[10**12, 64], [2**62, 2**62], [2**64], [1] * 65, [-1]]))
@@ -264,6 +266,8 @@ def rewrites(draw):
             c["sizes"], c["offsets"] = huge, [0] * len(huge)
         elif kind == "duplicate path":
             _leaf(doc, "n")["path"] = lf["path"]
+        elif kind == "sharding" and sfield.startswith("meshes."):
+            del doc["meshes"][lf["sharding"]["mesh"]][sfield.split(".")[1]]
         elif kind == "sharding":
             del lf["sharding"][sfield]
         else:  # a value where only null is valid
