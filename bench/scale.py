@@ -35,7 +35,14 @@ measured wall. A save adds one agreement (its views); a restore three (one
 with views, two of a few bytes: who reads the step, then each process's
 outcome), in a job that votes three votes.
 
-Part 3, the real job (`--job`, default 2,4,8,16,32 processes; --quick 2,4,8):
+Part 3, a writer's manifest (`manifests`): one writer's manifest of a save
+of the 876-leaf decoder (every matrix FSDP over all devices, norms
+replicated) by 64, 1,024 and 4,096 hosts of 4 devices: its bytes and the CPU
+of writing and parsing it, beside the same manifest as format 3 wrote it
+(every leaf's sharding listing every device id). Process 0 reads every
+writer's manifest of a tier the job shares at open and reload.
+
+Part 4, the real job (`--job`, default 2,4,8,16,32 processes; --quick 2,4,8):
 N jax.distributed processes of one CPU device each on a tiny sharded state
 (harness/scale_worker.py): a RAM tier per process and a shared local tier,
 every step due, 10 saves and wait_until_finished; opening a manager (the
@@ -76,8 +83,9 @@ from harness.report import emit, emit_summary
 prepare(1)
 
 from resilient_ckpt.catalog.catalog import JobView  # noqa: E402
-from resilient_ckpt.core import summary as vote_rule  # noqa: E402
+from resilient_ckpt.core import manifest as mf, summary as vote_rule  # noqa: E402
 from resilient_ckpt.multihost.agree import _FAN_IN, PROTOCOLS, Peers  # noqa: E402
+from resilient_ckpt.native import crc32c  # noqa: E402
 from resilient_ckpt.testing.kvservice import KeyValueService  # noqa: E402
 from resilient_ckpt.testing.multiprocess import describe, free_port, run_job  # noqa: E402
 
@@ -345,6 +353,104 @@ def simulate(a, costs: dict) -> dict:
     return summary
 
 
+# ------------------------------------------------------------ a writer's manifest
+
+DEVICES_PER_HOST = 4
+LAYERS = 32  # the decoder of bench/harness/state.py: 876 leaves with Adam's moments
+
+
+def decoder_manifest(hosts: int, writer: int = 1) -> mf.Manifest:
+    """One writer's manifest of a save of the 876-leaf decoder by `hosts`
+    hosts of DEVICES_PER_HOST devices: every matrix FSDP over all devices (the
+    writer's chunks: one per device of its own), the norms replicated (writer
+    0 writes them), each leaf's description made as `describe` makes it."""
+    n = hosts * DEVICES_PER_HOST
+    axes, mesh_shape, ids = ["fsdp"], [n], list(range(n))
+    fsdp = {"type": "named", "axis_names": axes, "mesh_shape": mesh_shape,
+            "device_ids": ids, "spec": ["fsdp", None]}
+    norm = dict(fsdp, spec=[None])
+    names = [f"layer_{i:02d}.{t}" for i in range(LAYERS)
+             for t in ("q", "k", "v", "o", "gate", "up", "down", "norm1", "norm2")]
+    names += ["embed", "head", "final_norm"]
+    leaves, offset = [], 0
+    for part in ("params", "mu", "nu"):
+        for name in names:
+            replicated = "norm" in name
+            shape = (256,) if replicated else (n * 8, 256)
+            chunks = []
+            for d in ([0] if replicated else range(writer * DEVICES_PER_HOST,
+                                                  (writer + 1) * DEVICES_PER_HOST)):
+                if replicated and writer != 0:
+                    break
+                box = ((0,), (256,)) if replicated else ((d * 8, 0), (8, 256))
+                nbytes = 4 * math.prod(box[1])
+                chunks.append(mf.ChunkRecord(
+                    box[0], box[1], f"9a26b129.c0.{len(leaves)}.{d * 8}_0", nbytes, nbytes,
+                    2340049308, "raw", 261888, (2340049308,), "9a26b129.p1.51edb9a2", offset))
+                offset += 4096 * math.ceil(nbytes / 4096)
+            leaves.append(mf.LeafRecord((("key", part), ("key", name)), "array", shape,
+                                        "float32", norm if replicated else fsdp, None, None,
+                                        tuple(chunks)))
+    for extra in ("count", "step", "rng"):  # small numpy leaves, written by writer 0
+        leaves.append(mf.LeafRecord((("key", extra),), "numpy_scalar", (), "int32"))
+    return mf.Manifest(7, "9a26b129" * 4, 1.5, writer, hosts,
+                       (mf.ItemRecord("default", "pytree", tuple(leaves)),))
+
+
+def as_format_3(data: bytes) -> bytes:
+    """A format-4 manifest's bytes as format 3 wrote them: each named
+    sharding with its mesh written out, every device id listed."""
+    doc = json.loads(data)
+    meshes = doc.pop("meshes")
+    for it in doc["items"]:
+        for lf in it["leaves"]:
+            s = lf["sharding"]
+            if s and s["type"] == "named":
+                m = meshes[s["mesh"]]
+                lf["sharding"] = {"type": "named", "axis_names": m["axis_names"],
+                                  "mesh_shape": m["mesh_shape"], "device_ids": [
+                                      i for first, k in m["device_ids"]
+                                      for i in range(first, first + k)], "spec": s["spec"]}
+    doc["version"] = 3
+    del doc["manifest_crc32c"]
+    body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
+    return body + b',"manifest_crc32c":%d}' % crc32c.value(body)
+
+
+def manifests(counts: list[int]) -> dict:
+    """A writer's manifest of the decoder at each number of hosts: its bytes,
+    and the CPU of writing and of parsing it (the median of 3), in this format
+    and as format 3 wrote it. Process 0 reads every writer's manifest of a tier the job
+    shares at open and reload: `hosts` x these bytes."""
+    summary: dict = {}
+    for hosts in counts:
+        m = decoder_manifest(hosts)
+        t0 = time.process_time()
+        data = mf.to_json(m)
+        write_s = time.process_time() - t0
+        old = as_format_3(data)
+        line = {"bench": BENCH, "system": "resilient_ckpt", "case": "manifest", "hosts": hosts,
+                "devices": hosts * DEVICES_PER_HOST, "leaves": len(m.items[0].leaves),
+                "chunks": sum(1 for _ in m.chunks()), "bytes": len(data),
+                "to_json_s": write_s, "format_3_bytes": len(old)}
+        for key, raw in (("parse_s", data), ("format_3_parse_s", old)):
+            took = []
+            for _ in range(3):  # the median of 3: one parse is a few noisy tens of ms
+                t0 = time.process_time()
+                back = mf.parse(raw)
+                took.append(time.process_time() - t0)
+                if back != m:
+                    raise RuntimeError(f"the manifest of {hosts} hosts does not parse back")
+            line[key] = sorted(took)[1]
+        line["open_bytes_process_0"] = hosts * len(data)
+        emit(line)
+        summary[f"manifest_bytes_at_{hosts}"] = len(data)
+        summary[f"manifest_format_3_bytes_at_{hosts}"] = len(old)
+    summary["manifest_bytes_growth"] = (summary[f"manifest_bytes_at_{counts[-1]}"]
+                                        / summary[f"manifest_bytes_at_{counts[0]}"])
+    return summary
+
+
 # ------------------------------------------------------------ the real job
 
 def job_phases(system: str, n: int, saves: int, root: str) -> dict:
@@ -426,11 +532,13 @@ def main(argv: list[str] | None = None) -> None:
     costs["vote_s"] = measure_vote()
     emit({"bench": BENCH, "system": "limit", "case": "coordination_service", **costs})
     summary = simulate(a, costs)
+    summary.update(manifests([64, 1024] if a.quick else [64, 1024, 4096]))
     counts = a.job if a.job is not None else ([2, 4, 8] if a.quick else [2, 4, 8, 16, 32])
     summary.update(real_jobs(a, counts))
     goals = {"gather_requests_over_3n_at_4096": ("<=", 1.0),
              "vote_save_agreement_s_at_4096": ("<=", 0.05),
              "decisions_differ": ("<=", 0), "saves_vs_orbax": ("<=", 0.15),
+             "manifest_bytes_growth": ("<=", 1.1),
              "open_vs_orbax": ("<=", 1.0), "restore_vs_orbax": ("<=", 1.0),
              "mismatches": ("<=", 0)}
     emit_summary(BENCH, summary, goals=goals)
