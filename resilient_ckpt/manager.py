@@ -117,7 +117,10 @@ class CheckpointManager:
         return list(self._saver.tiers)
 
     def reload(self) -> None:
-        """Re-reads every tier (others' new steps appear); a collective with several processes."""
+        """Re-reads every tier (others' new steps appear, a copy that failed a
+        read counts again where it is intact now); a collective with several
+        processes."""
+        self.catalog.forget_bad()
         self.catalog.reload()
         self._coord.refresh("reload")
 

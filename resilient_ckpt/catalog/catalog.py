@@ -179,16 +179,20 @@ class Catalog:
     def reload(self) -> None:
         """Re-reads every tier (steps written by other processes appear).
 
-        On a tier every process of a job sees, only the first live process
-        reads every manifest (it reports every share there, `_reported`);
-        each other process reads its own shares' alone and the rest of a
-        step only if it restores it (`choice`): a reload costs a process
-        the same at any number of hosts, not hosts x hosts reads a job."""
+        On a tier every process of a job sees, each process reads its own
+        shares' manifests and those of its part of the writers (`_part`:
+        the labels that are its rank modulo the job's size), and reports
+        them (`_reported`): between them the job reads each manifest once,
+        and a process reads the rest of a step only if it restores it
+        (`choice`). A reload costs a process the same at any number of
+        hosts: one manifest of a step in a job of the save's size (the first
+        process read all N, 3.3 GB at 4,096 hosts of a 1,000-leaf state)."""
         views, partial = {}, set()
         for n, st in self._tiers:
             labels = self._own_labels(st)
             steps = tier_steps.listed_steps(st, self._naming)
-            views[n] = tier_steps.observe(st, n, self._naming, labels, steps)
+            views[n] = tier_steps.observe(st, n, self._naming, labels, steps,
+                                          self._part() if labels is not None else None)
             if labels is not None:
                 partial |= {(n, s) for s in steps}
         orbax = legacy.orbax_steps(self._home, self._naming) if self._home else set()
@@ -228,11 +232,19 @@ class Catalog:
             self._cache = None
 
     def _own_labels(self, storage: Storage) -> set[int] | None:
-        """The writer labels whose manifests this process reads on `storage`
-        (its index, and its rank after a loss), or None: all of them."""
-        if storage.shared and self.peers.many and self.peers.rank != 0:
+        """The writer labels of this process's own shares on `storage` (its
+        index, and its rank after a loss; its part besides, `_part`), or
+        None: it reads all of them (a tier of its own, or a job of one)."""
+        if storage.shared and self.peers.many:
             return {self.peers.index, self.peers.rank}
         return None
+
+    def _part(self) -> tuple[int, int]:
+        """(rank, size): this process reads and reports, on a tier the job
+        shares, the shares of the writers whose label is its rank modulo
+        the number of live processes; the live processes' parts cover every
+        label of a save by any number of writers."""
+        return self.peers.rank, self.peers.size
 
     def delete(self, tier: str, storage: Storage, step: int) -> None:
         """Forgets `step` in `tier` and deletes it there (on a tier the whole
@@ -264,6 +276,16 @@ class Catalog:
             if new:
                 self._bad |= new
                 self._cache = None
+
+    def forget_bad(self) -> None:
+        """Forgets the copies that failed a read, so the next selection sees
+        the tiers as a reader opening them now would (a copy put right since,
+        by a tool or by hand, counts again; one still damaged fails its read
+        again and is marked again). The user's reload does this; the
+        package's own reloads (a restore choosing again) keep the marks."""
+        with self._lock:
+            self._bad, self._cache = set(), None
+            self._whole, self._intact = {}, {}
 
     def bad(self) -> set[tuple[str, str]]:
         with self._lock:
@@ -600,24 +622,23 @@ def _reported(obs: dict, bad: frozenset, shared: set[str], peers: Peers,
     """The shares this process reports at an agreement. On a tier every
     process sees, each reports its own share (it knows its own commits;
     another's view of it may be older than the commit), labelled by its
-    index, or by its rank for a save made after a loss (`Peers.set_live`);
-    the first live process all it sees (saves by another process count
-    included: it alone reads them all, `Catalog.reload`). `caches`: the
-    whole copies' and the intact shares' (`_own_shares`)."""
+    index, or by its rank for a save made after a loss (`Peers.set_live`),
+    and those of its part of the writers (`Catalog._part`: a save by a job
+    of another size, a lost process's share). `caches`: the whole copies'
+    and the intact shares' (`_own_shares`)."""
     me = {peers.index, peers.rank}
-    mine = _own_shares(caches[1], obs, bad, (peers.index, peers.rank), lambda t, q: (
-        t not in shared or q in me or peers.rank == 0))
+    mine = _own_shares(caches[1], obs, bad, (peers.index, peers.rank, peers.size), lambda t, q: (
+        t not in shared or q in me or q % peers.size == peers.rank))
     return mine + _whole_copies(caches[0], obs, names, bad, {(s.step, s.save_id) for s in mine})
 
 
-def _own_shares(cache: dict, obs: dict, bad: frozenset, who: tuple[int, int],
+def _own_shares(cache: dict, obs: dict, bad: frozenset, who: tuple[int, int, int],
                 reports: Callable[[str, int], bool]) -> list[shares.Share]:
     """`shares.local_shares`, cached per (tier, step) while that tier's view
     of the step (replaced, never changed, on every commit and reload), the
-    bad copies (which only grow) and this process's labels stay the same:
-    checking every chunk of every manifest at every agreement would cost the
-    first process, which sees every writer's manifests on a shared tier
-    after an open, hosts x chunks per agreement."""
+    bad copies (which only grow) and this process's labels and part (`who`)
+    stay the same: checking every chunk of every manifest it holds at every
+    agreement would cost it chunks x steps per agreement."""
     out: set[shares.Share] = set()
     for step, views in obs.items():
         for ts in views:

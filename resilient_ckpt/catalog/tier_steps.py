@@ -19,7 +19,7 @@ log = logging.getLogger("resilient_ckpt")
 
 
 # Manifests of one step read at once from a remote store: a step of a job of
-# N hosts has N of them there, and the first process reads them all at open.
+# N hosts has N of them there, and a restore onto another layout reads them all.
 MANIFEST_READS = 16
 
 # What reading or parsing one manifest copy may raise when its file is damaged
@@ -98,9 +98,33 @@ def labelled(storage: Storage, d: str, labels: Collection[int]) -> list[str]:
                    if layout.parse_manifest_name(n) is not None})
 
 
+PART_PREFIXES = 16  # a part's listings by name prefix, beyond which one listing of all
+
+
+def parted(storage: Storage, d: str, labels: Collection[int], part: tuple[int, int]
+           ) -> list[str]:
+    """The manifests in step directory `d` of the writers `labels` and of those
+    whose label is `rank` modulo `size` (`part`): the job's processes read a
+    step's manifests between them, each about count / size of them, one in a
+    job of the save's size. The save's writer count comes from the names the
+    first listings found (`manifest.<i>-of-<n>.json`); where they found none,
+    one listing of every manifest's name, filtered."""
+    rank, size = part
+    mine = set(labels) | {rank}
+    names = labelled(storage, d, mine)
+    counts = {n for i, n in filter(None, map(layout.parse_manifest_name, names))}
+    if counts and max(-(-(n - rank) // size) for n in counts) <= PART_PREFIXES:
+        more = {q for n in counts for q in range(rank, n, size)} - mine
+        return sorted(set(names) | set(labelled(storage, d, more))) if more else names
+    # (a count far above the job's, as a name can claim, costs one listing, never more)
+    labelled_all = [(n, layout.parse_manifest_name(n)) for n in manifest_names(storage, d)]
+    return [n for n, w in labelled_all if w is not None and (w[0] in mine or w[0] % size == rank)]
+
+
 def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: int,
                  known: mf.Manifest | None = None,
-                 labels: Collection[int] | None = None) -> TierStep | None:
+                 labels: Collection[int] | None = None,
+                 part: tuple[int, int] | None = None) -> TierStep | None:
     """What `tier` holds of `step` (None: no manifest). A step directory that
     cannot be listed shows as one unusable copy, with the reason, never an error.
 
@@ -108,12 +132,14 @@ def observe_step(storage: Storage, tier: str, naming: layout.StepNaming, step: i
     were written and flushed): it is taken as written, its chunks' sizes as it
     stored them, so a commit neither parses its own manifest back nor asks the
     size of every chunk it wrote; only other processes' manifests are read.
-    `labels`: read only the manifests of those writers (`labelled`); the
-    view then holds their shares only."""
+    `labels`: read only the manifests of those writers (`labelled`), and with
+    `part` (rank, size) those of the writers of rank's part too (`parted`);
+    the view then holds their shares only."""
     d = naming.name(step)
     try:
         if labels is not None:
-            names = labelled(storage, d, labels)
+            names = (labelled(storage, d, labels) if part is None else
+                     parted(storage, d, labels, part))
         elif storage.sizes_from_manifest or known is not None:
             names = manifest_names(storage, d)
         else:
@@ -162,7 +188,8 @@ def listed_steps(storage: Storage, naming: layout.StepNaming) -> list[int]:
 
 def observe(storage: Storage, tier: str, naming: layout.StepNaming,
             labels: Collection[int] | None = None,
-            steps: list[int] | None = None) -> dict[int, TierStep]:
+            steps: list[int] | None = None,
+            part: tuple[int, int] | None = None) -> dict[int, TierStep]:
     """Every step of a tier that has at least one manifest (valid or not).
 
     A remote tier is observed with one listing of its step directories and,
@@ -170,13 +197,13 @@ def observe(storage: Storage, tier: str, naming: layout.StepNaming,
     steps at once: never a listing of every object. A damaged step (a manifest
     that does not read or parse, a directory that does not list) shows with
     its reasons and is never raised; only a tier root that cannot be listed is.
-    `labels`: only those writers' manifests (`observe_step`); `steps`: the
-    steps `listed_steps` gave, if the caller has listed them already.
+    `labels`, `part`: only those writers' manifests (`observe_step`); `steps`:
+    the steps `listed_steps` gave, if the caller has listed them already.
     """
     steps = listed_steps(storage, naming) if steps is None else steps
 
     def one(s: int) -> TierStep | None:
-        return observe_step(storage, tier, naming, s, labels=labels)
+        return observe_step(storage, tier, naming, s, labels=labels, part=part)
     if storage.shared and len(steps) > 1:
         with cf.ThreadPoolExecutor(min(8, len(steps)), thread_name_prefix="rc-observe") as ex:
             views = list(ex.map(one, steps))

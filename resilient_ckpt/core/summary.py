@@ -25,7 +25,8 @@ every process knows alike). A candidate's slot holds maxima of:
   after the max, is "every process holds its own share in t");
 - `missing_any`: a process has its own share in no tier;
 - `extras[t]`: the first process reports every writer's share in t (it
-  alone reads the whole of a tier the job shares);
+  holds them all: a save by a job of another size, where each process
+  reports its part of the writers, makes the vector irregular anyway);
 - `pending`: a process is still writing the candidate's step;
 - `created`: the newest `created` of the shares reported, as the bits of a
   non-negative float64 (whose order as integers is the floats' order).

@@ -1,8 +1,9 @@
 """A tier every process of a job sees (a shared directory, GCS) holds one
 manifest per writer of a step. What one process of a big job does there must
 not grow with the number of writers: a reload reads only its own writers'
-manifests (the first live process reads them all, and reports them), a
-restore of the save's shape only those of the writers whose boxes its
+manifests and those of its part (the labels that are its rank modulo the
+job's size; between them the job's processes read and report each writer's
+share once), a restore of the save's shape only those of the writers whose boxes its
 devices hold, and a delete removes only its part of the shares, so the
 processes together remove the whole step. A step of 4 writers is made here
 from a real one-process save, its chunks split among 4 re-signed manifests:
@@ -156,12 +157,12 @@ def test_each_process_deletes_its_part_and_together_the_whole_step(shared, live)
     assert tier_steps.observe_step(shared, "local", layout.StepNaming(), 2) is not None
 
 
-def _catalog(st: FileStorage, index: int) -> Catalog:
-    """A catalog of process `index` of a simulated job of WRITERS processes
+def _catalog(st: FileStorage, index: int, size: int = WRITERS) -> Catalog:
+    """A catalog of process `index` of a simulated job of `size` processes
     (the coordination service in-process, `testing.kvservice`), whose
     devices are DEVICES."""
-    job = KeyValueService(WRITERS)
-    peers = Peers(job=(job.client(index), index, WRITERS))
+    job = KeyValueService(size)
+    peers = Peers(job=(job.client(index), index, size))
     return Catalog([("local", st)], layout.StepNaming(), st.root, None, peers, DEVICES)
 
 
@@ -171,7 +172,7 @@ def _agree_on(cat: Catalog, full: mf.Manifest) -> None:
                                               frozenset({"local"}))}, set(), [], set(), []))
 
 
-def test_a_process_other_than_the_first_reads_its_own_shares_until_it_restores(
+def test_a_process_reads_its_own_shares_until_it_restores(
         shared, monkeypatch):
     reads = _reads(monkeypatch)
     cat = _catalog(shared, 2)
@@ -195,7 +196,48 @@ def test_a_process_other_than_the_first_reads_its_own_shares_until_it_restores(
     first = _catalog(shared, 0)
     reads.clear()
     first.reload()
-    assert len(reads) == 2 * WRITERS  # the first process reads them all (it reports them)
+    assert sorted(reads) == [layout.manifest_name(0, WRITERS)] * 2  # the first one too
+
+
+@pytest.mark.parametrize("size", [2, 3, 1 + WRITERS])
+def test_the_parts_of_a_job_of_another_size_cover_every_writer_once(shared, monkeypatch, size):
+    """A job of `size` processes opens a save of WRITERS writers (a relaunch
+    on fewer hosts, or more): each process reads and reports the writers
+    whose label is its rank modulo `size`, so between them the job reads
+    each manifest once and reports every share."""
+    reads = _reads(monkeypatch)
+    seen: dict[int, list[int]] = {}
+    for rank in range(size):
+        reads.clear()
+        cat = _catalog(shared, rank, size)
+        cat.reload()
+        assert sorted(reads) == sorted(layout.manifest_name(q, WRITERS) for q in
+                                       range(rank, WRITERS, size) for _ in (1, 2)), rank
+        for s in cat.report(set(), [])["shares"]:
+            seen.setdefault(s[0], []).append(s[2])
+    assert {step: sorted(q) for step, q in seen.items()} == {
+        1: list(range(WRITERS)), 2: list(range(WRITERS))}
+
+
+def test_a_name_claiming_a_huge_job_costs_one_listing(shared, monkeypatch):
+    """A file at a manifest's name claiming a writer count of 10^12 (anyone
+    who can write the directory): the part is found by one listing of the
+    step's manifests, never by 10^12 / size listings by prefix."""
+    step_dir = os.path.join(shared.root, "1")
+    with open(os.path.join(step_dir, "manifest.1-of-1000000000000.json"), "wb") as f:
+        f.write(b"{}")
+    listings: list[str] = []
+    real = FileStorage.list
+
+    def spy(self, prefix="", starts_with=""):  # the real listing, counted
+        listings.append(starts_with)
+        return real(self, prefix, starts_with)
+    monkeypatch.setattr(FileStorage, "list", spy)
+    cat = _catalog(shared, 1, 2)
+    cat.reload()
+    assert len(listings) < 10, listings
+    held = {m.process_index for m in cat.view("local")[1].manifests if isinstance(m, mf.Manifest)}
+    assert held == {1, 3}
 
 
 def test_a_view_read_before_every_writer_committed_is_read_again_at_restore(shared):
@@ -268,13 +310,13 @@ def test_a_part_whose_manifest_is_damaged_or_a_link_deletes_nothing_else(shared,
     assert kept <= left
 
 
-def test_the_first_process_checks_each_writers_chunks_once_not_at_every_agreement(
+def test_a_process_checks_each_writers_chunks_once_not_at_every_agreement(
         shared, monkeypatch):
-    """The first process reports every writer's share it sees on the shared
-    tier. Each share is checked chunk by chunk when its tier's view of the
-    step changes, not again at every agreement; a copy found bad since then
-    still drops the share at the next report."""
-    cat = _catalog(shared, 0)
+    """The first of a job of 2 reports its part of the writers' shares on the
+    shared tier (writers 0 and 2). Each share is checked chunk by chunk when
+    its tier's view of the step changes, not again at every agreement; a
+    copy found bad since then still drops the share at the next report."""
+    cat = _catalog(shared, 0, 2)
     cat.reload()
     checked: list[int] = []
     real = shares.has_copy
@@ -285,15 +327,15 @@ def test_the_first_process_checks_each_writers_chunks_once_not_at_every_agreemen
     monkeypatch.setattr(shares, "has_copy", has_copy)
     first = cat.report(set(), [])
     assert sorted({(s[0], s[2]) for s in first["shares"] if s[2] >= 0}) == [
-        (step, q) for step in (1, 2) for q in range(WRITERS)]
+        (step, q) for step in (1, 2) for q in (0, 2)]
     n = len(checked)
     assert n > 0
     assert cat.report(set(), []) == first and len(checked) == n  # nothing checked again
-    m = next(x for x in cat.view("local")[1].manifests if x.process_index == 3)
+    m = next(x for x in cat.view("local")[1].manifests if x.process_index == 2)
     cat.add_bad([("local", next(iter(m.chunks()))[2].key)])
     again = cat.report(set(), [])
-    assert (1, 3) not in {(s[0], s[2]) for s in again["shares"]}
-    assert (2, 3) in {(s[0], s[2]) for s in again["shares"]}
+    assert (1, 2) not in {(s[0], s[2]) for s in again["shares"]}
+    assert (2, 2) in {(s[0], s[2]) for s in again["shares"]}
 
 
 def _holds(choice, q: int) -> bool:

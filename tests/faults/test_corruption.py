@@ -128,6 +128,26 @@ def restore(m: rc.CheckpointManager, step=None) -> dict:
 
 # --------------------------------------------------------------- chunk bytes
 
+def test_a_copy_put_right_counts_again_after_reload(dirs):
+    """Both copies of a chunk of step 3 damaged: restore(3) raises and the
+    manager marks them bad (step 3 is no longer listed); one put right by
+    hand and reload(): the same manager lists and restores step 3 again,
+    bit-exact, as a manager opened now would. Until the reload the marks hold."""
+    in_ram, on_disk = dirs.chunk("ram", 3), dirs.chunk("local", 3)
+    flip(in_ram)
+    flip(on_disk)
+    with dirs.open() as m:
+        with pytest.raises(rc.CheckpointError):
+            restore(m, 3)
+        assert 3 not in m.all_steps()
+        flip(on_disk)  # undone: the same bits flipped back
+        assert 3 not in m.all_steps()
+        m.reload()
+        assert m.latest_step() == 3
+        assert_exact(restore(m, 3), 3)
+        assert m.last_restore.served[key_of(on_disk)] == "local"
+
+
 def test_flipped_byte_in_ram_copy_falls_back_to_local_copy(dirs):
     bad = dirs.chunk("ram", 3)
     flip(bad)
