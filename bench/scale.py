@@ -85,6 +85,7 @@ from resilient_ckpt.catalog.catalog import JobView  # noqa: E402
 from resilient_ckpt.core import manifest as mf, summary as vote_rule  # noqa: E402
 from resilient_ckpt.multihost.agree import _FAN_IN, PROTOCOLS, Peers  # noqa: E402
 from resilient_ckpt.native import crc32c  # noqa: E402
+from resilient_ckpt.testing import formats  # noqa: E402
 from resilient_ckpt.testing.kvservice import KeyValueService  # noqa: E402
 from resilient_ckpt.testing.multiprocess import describe, free_port, run_job  # noqa: E402
 
@@ -397,20 +398,8 @@ def decoder_manifest(hosts: int, writer: int = 1) -> mf.Manifest:
 
 
 def as_format_3(data: bytes) -> bytes:
-    """A format-4 manifest's bytes as format 3 wrote them: each named
-    sharding with its mesh written out, every device id listed."""
-    doc = json.loads(data)
-    meshes = doc.pop("meshes")
-    for it in doc["items"]:
-        for lf in it["leaves"]:
-            s = lf["sharding"]
-            if s and s["type"] == "named":
-                m = meshes[s["mesh"]]
-                lf["sharding"] = {"type": "named", "axis_names": m["axis_names"],
-                                  "mesh_shape": m["mesh_shape"], "device_ids": [
-                                      i for first, k in m["device_ids"]
-                                      for i in range(first, first + k)], "spec": s["spec"]}
-    doc["version"] = 3
+    """A format-4 manifest's bytes as format 3 wrote them, signed again."""
+    doc = formats.as_version_3(json.loads(data))
     del doc["manifest_crc32c"]
     body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
     return body + b',"manifest_crc32c":%d}' % crc32c.value(body)

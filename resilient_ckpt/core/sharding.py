@@ -94,11 +94,12 @@ def rebuild(desc: dict | None, meshes: dict | None = None) -> jax.sharding.Shard
         return jax.sharding.SingleDeviceSharding(d) if d is not None else None
     if desc["type"] != "named":
         return None
-    ids = desc["device_ids"]
-    key = (id(ids), id(desc["mesh_shape"]), id(desc["axis_names"]))
+    lists = (desc["device_ids"], desc["mesh_shape"], desc["axis_names"])
+    key = tuple(map(id, lists))
     held = meshes.get(key) if meshes is not None else None
-    if held is None or held[0] is not ids:  # (the memo keeps `ids` alive: no id reused)
-        held = (ids, _mesh(desc))
+    # (the memo keeps the lists its key names alive: no id is reused meanwhile)
+    if held is None or any(a is not b for a, b in zip(held[0], lists, strict=True)):
+        held = (lists, _mesh(desc))
         if meshes is not None:
             meshes[key] = held
     mesh = held[1]

@@ -6,6 +6,7 @@
   injects 429/503 answers, connection resets, truncated bodies and stalls.
 - `faults`: `FaultInjector` / `DeviceFault`, simulated device loss on real
   (CPU) jax devices, for the elastic loop (imports jax).
+- `formats`: `as_version_3`, a current manifest's document as format 3 wrote it.
 - `multiprocess`: `start_job` / `run_job`, N local processes forming one
   jax.distributed job on 127.0.0.1 (simulated hosts), with hard timeouts and
   kills by pid; a worker-side library with a state whose every value after

@@ -8,6 +8,7 @@ import pytest
 from resilient_ckpt import CorruptCheckpointError, UnsupportedFormatError
 from resilient_ckpt.core import manifest as mf
 from resilient_ckpt.core.strictjson import MAX_VALUE_DEPTH
+from resilient_ckpt.testing import formats
 
 TRAILER = b',"manifest_crc32c":'
 NAMED = {"type": "named", "axis_names": ["x", "y"], "mesh_shape": [2, 1],
@@ -50,20 +51,8 @@ def _doc():
 
 
 def _v3(d: dict) -> dict:
-    """`d` (a version-4 document) as a version-3 writer wrote it: each named
-    sharding with its mesh written out, device ids listed, no `meshes`."""
-    meshes = d.pop("meshes")
-    for it in d["items"]:
-        for lf in it["leaves"]:
-            s = lf["sharding"]
-            if s and s["type"] == "named":
-                m = meshes[s["mesh"]]
-                ids = [i for first, n in m["device_ids"] for i in range(first, first + n)]
-                lf["sharding"] = {"type": "named", "axis_names": m["axis_names"],
-                                  "mesh_shape": m["mesh_shape"], "device_ids": ids,
-                                  "spec": s["spec"]}
-    d["version"] = 3
-    return d
+    """`d` (a version-4 document) as a version-3 writer wrote it."""
+    return formats.as_version_3(d)
 
 
 def _unpacked(d: dict, version: int) -> dict:
