@@ -82,7 +82,7 @@ from harness.report import emit, emit_summary
 prepare(1)
 
 from resilient_ckpt.catalog.catalog import JobView  # noqa: E402
-from resilient_ckpt.core import manifest as mf, summary as vote_rule  # noqa: E402
+from resilient_ckpt.core import manifest as mf, summary as vote_rule, writers  # noqa: E402
 from resilient_ckpt.multihost.agree import _FAN_IN, PROTOCOLS, Peers  # noqa: E402
 from resilient_ckpt.native import crc32c  # noqa: E402
 from resilient_ckpt.testing import formats  # noqa: E402
@@ -394,11 +394,13 @@ def decoder_manifest(hosts: int, writer: int = 1) -> mf.Manifest:
     for extra in ("count", "step", "rng"):  # small numpy leaves, written by writer 0
         leaves.append(mf.LeafRecord((("key", extra),), "numpy_scalar", (), "int32"))
     return mf.Manifest(7, "9a26b129" * 4, 1.5, writer, hosts,
-                       (mf.ItemRecord("default", "pytree", tuple(leaves)),))
+                       (mf.ItemRecord("default", "pytree", tuple(leaves)),),
+                       writers=tuple((h * DEVICES_PER_HOST, DEVICES_PER_HOST, h)
+                                     for h in range(hosts)))
 
 
 def as_format_3(data: bytes) -> bytes:
-    """A format-4 manifest's bytes as format 3 wrote them, signed again."""
+    """A manifest's bytes as format 3 wrote them, signed again."""
     doc = formats.as_version_3(json.loads(data))
     del doc["manifest_crc32c"]
     body = json.dumps(doc, separators=(",", ":")).encode()[:-1]
@@ -409,7 +411,11 @@ def manifests(counts: list[int]) -> dict:
     """A writer's manifest of the decoder at each number of hosts: its bytes,
     and the CPU of writing and of parsing it (the median of 3), in this format
     and as format 3 wrote it. At open and reload each process reads its own
-    and its part of the others (one, in a job of the save's size)."""
+    and its part of the others (one, in a job of the save's size). And a
+    restore by a job of half as many hosts (FSDP over half the devices):
+    the writers' manifests one of its hosts reads, `writers.covering` from
+    the one it holds, and the CPU of working them out, where it read every
+    writer's without the `writers` table."""
     summary: dict = {}
     for hosts in counts:
         m = decoder_manifest(hosts)
@@ -430,7 +436,23 @@ def manifests(counts: list[int]) -> dict:
                 if back != m:
                     raise RuntimeError(f"the manifest of {hosts} hosts does not parse back")
             line[key] = sorted(took)[1]
+        # host 1 of a job of hosts / 2: its devices' rows of every matrix
+        mine = range(DEVICES_PER_HOST, 2 * DEVICES_PER_HOST)
+        n = hosts * DEVICES_PER_HOST // 2
+        wants = {(0, li): [((d * 16, 0), (16, 256)) for d in mine] if len(lf.shape) == 2
+                 else [(tuple(0 for _ in lf.shape), tuple(lf.shape))]
+                 for li, lf in enumerate(m.items[0].leaves)}
+        assert n * 16 == m.items[0].leaves[0].shape[0]
+        t0 = time.process_time()
+        wanted = writers.covering(m, wants)
+        line["covering_s"] = time.process_time() - t0
+        if wanted is None:
+            raise RuntimeError(f"no writers worked out at {hosts} hosts")
+        line["reshard_manifests"] = len(wanted)
+        line["reshard_manifest_bytes"] = len(wanted) * len(data)
+        line["reshard_manifest_bytes_without_table"] = hosts * len(data)
         emit(line)
+        summary[f"reshard_manifests_at_{hosts}"] = len(wanted)
         summary[f"manifest_bytes_at_{hosts}"] = len(data)
         summary[f"manifest_format_3_bytes_at_{hosts}"] = len(old)
     summary["manifest_bytes_growth"] = (summary[f"manifest_bytes_at_{counts[-1]}"]

@@ -75,7 +75,7 @@ from .errors import (
 from .multihost import peer_fill
 from .multihost.agree import Round
 from .multihost.vote import AUTO_FROM, DeviceVote
-from .restore.assemble import Hole
+from .restore.assemble import Hole, Uncovered
 from .restore.loop import restore_alone
 from .save import tierrecord
 from .save.saver import Saver
@@ -450,25 +450,38 @@ class Coordinator:
                  settle: Callable[[dict[str, Hole]], dict[str, Any]], narrowed: list[bool],
                  own_only: bool) -> Any:
         """attempt(choice, settle). Where `choice` holds the manifests of only
-        the writers whose boxes this process's devices held at the save
-        (`narrowed[0]`, `Catalog.narrowed`) and the target needs boxes of
-        others (a layout other than the save's: a plan finds chunks missing,
-        or shards are left for the peers), once more with every writer's
-        manifest read: here alone, before the attempt's first round, so the
-        job's rounds stay the same on every process."""
-        try:
-            return attempt(choice, settle)
-        except (_Narrowed, ValueError) as e:
-            if not narrowed[0] or isinstance(e, (TargetMismatchError, CorruptCheckpointError)):
-                raise
-        log.info("step %d: the target's layout is not the save's; process %d reads every "
-                 "writer's manifest of it", step, self.peers.index)
-        narrowed[0] = False
-        whole = self._catalog.choice(step, own_only, complete=True)
-        if whole is None:
-            raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
-                                         f"of step {step}")
-        return attempt(whole, settle)
+        some writers (`narrowed[0]`, `Catalog.narrowed`: those whose boxes
+        this process's devices held at the save, or in a job of another
+        shape none but its own) and the target needs boxes of others (a
+        layout other than the save's), once more with the manifests of the
+        writers whose saved boxes the target's overlap read in (the restore
+        says which before it reads anything, `Uncovered`), and where that
+        does not do, with every writer's: here alone, before the attempt's
+        first round, so the job's rounds stay the same on every process."""
+        wants: Any = None
+        while True:
+            try:
+                return attempt(choice, settle)
+            except (_Narrowed, ValueError) as e:
+                if not narrowed[0] or isinstance(e, (TargetMismatchError,
+                                                     CorruptCheckpointError)):
+                    raise
+                wants = e.wants if isinstance(e, Uncovered) and wants is None else False
+            if wants:
+                log.info("step %d: the target's layout is not the save's; process %d reads "
+                         "the manifests of the writers that hold its boxes", step,
+                         self.peers.index)
+                got = self._catalog.choice(step, own_only, wants=wants)
+            else:
+                log.info("step %d: the target's layout is not the save's; process %d reads "
+                         "every writer's manifest of it", step, self.peers.index)
+                narrowed[0] = False
+                got = self._catalog.choice(step, own_only, complete=True)
+            if got is None:
+                raise CorruptCheckpointError(f"process {self.peers.index} can read no copy "
+                                             f"of step {step}")
+            choice = got
+            narrowed[0] = narrowed[0] and self._catalog.narrowed(step, own_only)
 
     def _skeleton_if_none(self, step: int, choice: Choice | None) -> Choice | None:
         """Where this process can read nothing of `step` but a peer holds all of

@@ -29,6 +29,7 @@ hold locks of their own when they call in (the save machinery does).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -356,8 +357,8 @@ class Catalog:
         with self._lock:
             return set(self._job.pending)
 
-    def choice(self, step: int, own_only: bool = False, complete: bool = False
-               ) -> selection.Choice | None:
+    def choice(self, step: int, own_only: bool = False, complete: bool = False,
+               wants: writers.Wants | None = None) -> selection.Choice | None:
         """Where this process reads `step` from (None: not viable, or, with
         several processes, nothing of it readable here). `own_only`: from
         this host's own tiers only, not from those the whole job sees.
@@ -365,7 +366,10 @@ class Catalog:
         On a tier the whole job sees, a process that knows only its own
         manifests of the step reads now those of the writers that hold the
         boxes its devices held when the step was saved (`_narrow`: a restore
-        onto the same shape needs no other), or, where that cannot be told
+        onto the same shape needs no other; a job of another shape reads
+        none yet), and the choice is `partial`; with `wants` (a restore's
+        target boxes, `restore.assemble.Uncovered`), those of the writers
+        whose saved boxes the targets overlap too; where that cannot be told
         or `complete` is asked for, every writer's."""
         if not self.peers.many:
             return self.viable().get(step)
@@ -380,16 +384,19 @@ class Catalog:
                             and t in agreed.complete_in and t not in narrowed
                             and _writers(self._views.get(t, {}).get(step), agreed)
                             < agreed.count}
-                partial = partial | narrowed if complete else partial - narrowed
+                partial = partial | narrowed if complete or wants else partial - narrowed
         for tier in sorted(partial):  # the other processes' manifests, read now
-            self._read_others(tier, step, None if complete else agreed)
+            self._read_others(tier, step, None if complete else agreed, wants)
         with self._lock:
             agreed = self._job.steps.get(step)
             views = [v[step] for t, v in self._views.items() if step in v and t not in shared]
             bad = frozenset(self._bad)
         if agreed is None:
             return None
-        return shares.readable(views, self.names, bad, step, agreed.save_id)
+        got = shares.readable(views, self.names, bad, step, agreed.save_id)
+        if got is not None and self.narrowed(step, own_only):
+            got = dataclasses.replace(got, partial=True)
+        return got
 
     def narrowed(self, step: int, own_only: bool = False) -> bool:
         """Whether `choice(step, own_only)` holds only the writers this
@@ -402,11 +409,12 @@ class Catalog:
                 s == step and sid == agreed.save_id and not (own_only and t in shared)
                 for (t, s), sid in self._narrowed.items())
 
-    def _read_others(self, tier: str, step: int, agreed: shares.AgreedStep | None) -> None:
+    def _read_others(self, tier: str, step: int, agreed: shares.AgreedStep | None,
+                     wants: writers.Wants | None = None) -> None:
         """Reads other writers' manifests of `step` in `tier` into its view:
         those `_narrow` picks for the `agreed` save, else every one."""
         storage = self.storages()[tier]
-        ts = self._narrow(tier, storage, step, agreed) if agreed is not None else None
+        ts = self._narrow(tier, storage, step, agreed, wants) if agreed is not None else None
         narrow = ts is not None
         if ts is None:
             ts = tier_steps.observe_step(storage, tier, self._naming, step)
@@ -420,32 +428,49 @@ class Catalog:
                 self._views.setdefault(tier, {})[step] = ts
             self._cache = None
 
-    def _narrow(self, tier: str, storage: Storage, step: int, agreed: shares.AgreedStep
-                ) -> selection.TierStep | None:
-        """`tier`'s view of `step` with the manifests of the writers that
-        wrote the boxes this process's devices hold under the shardings the
-        `agreed` save was made with (`writers.needed`, from this job's
-        devices) read in beside the ones it holds, when they list every one
-        of those boxes. None where that cannot be told or they do not (no
-        manifest of that save here yet, a save by a job of another shape):
-        the caller reads every manifest."""
+    def _narrow(self, tier: str, storage: Storage, step: int, agreed: shares.AgreedStep,
+                wants: writers.Wants | None) -> selection.TierStep | None:
+        """`tier`'s view of `step` with the manifests of some writers of the
+        `agreed` save read in beside the ones it holds (one writer's first,
+        where it holds none): with `wants`, of the writers whose saved boxes
+        those target boxes overlap (`writers.covering`); else of those that
+        wrote the boxes this process's devices hold under the save's
+        shardings (`writers.needed`, from this job's devices), or, in a job
+        of another shape, none yet (the restore's targets will say,
+        `restore.assemble.Uncovered`). None where that cannot be told or the
+        manifests read do not list the boxes predicted: the caller reads
+        every manifest."""
         with self._lock:
             old = self._views.get(tier, {}).get(step)
-        held = [m for m in (old.manifests if old else ()) if isinstance(m, Manifest)]
-        have = {m.process_index: m for m in held
-                if m.save_id == agreed.save_id and m.process_count == agreed.count}
+
+        def ours(ms: Any) -> dict[int, Manifest]:
+            return {m.process_index: m for m in ms if isinstance(m, Manifest)
+                    and m.save_id == agreed.save_id and m.process_count == agreed.count}
+        have = ours(old.manifests if old else ())
+        if not have:  # none of this save here yet: one writer's, for the records
+            first = tier_steps.observe_step(storage, tier, self._naming, step,
+                                            labels=[self.peers.rank % agreed.count])
+            if first is None or not ours(first.manifests):
+                return None
+            old = first if old is None else selection.TierStep(
+                tier, old.manifests + first.manifests, {**old.sizes, **first.sizes})
+            have = ours(old.manifests)
+        held = {m.process_index for m in old.manifests if isinstance(m, Manifest)}
+        some = next(iter(have.values()))
         owners = self._owners(agreed.count)
-        if old is None or not have or owners is None:
-            return None
-        wanted = writers.needed(next(iter(have.values())), *owners)
+        if wants is not None:
+            wanted = writers.covering(some, wants)
+        elif owners is not None:
+            wanted = writers.needed(some, *owners)
+        else:  # another shape: its targets tell which writers it needs
+            wanted = {} if some.writers else None
         if wanted is None:
             return None
-        labels = sorted(set(wanted) - {m.process_index for m in held})
+        labels = sorted(set(wanted) - held)
         more = tier_steps.observe_step(storage, tier, self._naming, step, labels=labels) \
             if labels else None
         got = more.manifests if more is not None else ()
-        have.update({m.process_index: m for m in got if isinstance(m, Manifest)
-                     and m.save_id == agreed.save_id and m.process_count == agreed.count})
+        have.update(ours(got))
         if not writers.confirmed(wanted, have):
             return None
         return selection.TierStep(tier, old.manifests + got,

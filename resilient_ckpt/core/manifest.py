@@ -28,9 +28,10 @@ from .strictjson import MAX_INT, Reader, short
 FORMAT_NAME = "resilient_ckpt"
 MAX_CREATED = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a date can hold
 # 2: a trailing manifest_crc32c; 3: chunks in packs (`pack`, `pack_offset`);
-# 4: each mesh once, in `meshes`, its device ids as runs, named from the leaves.
-# Versions 1 to 3 are still read.
-FORMAT_VERSION = 4
+# 4: each mesh once, in `meshes`, its device ids as runs, named from the leaves;
+# 5: `writers`, the saving job's writer of each device, as runs.
+# Versions 1 to 4 are still read.
+FORMAT_VERSION = 5
 # A chunk in a pack starts on this boundary, so a range of the pack can be
 # mapped (mmap wants a page-aligned file offset).
 PACK_ALIGN = 4096
@@ -44,13 +45,14 @@ _SHARDING_FIELDS = {"named": {"axis_names", "mesh_shape", "device_ids", "spec"},
 _TOP_FIELDS = ("format", "version", "step", "save_id", "created", "process", "items",
                "metrics", "custom_metadata")
 _MESH_FIELDS = {"axis_names", "mesh_shape", "device_ids"}  # a `meshes` entry, version 4 on
+WriterRuns = tuple[tuple[int, int, int], ...]  # (first device id, count, writer label)
 
 # Limits of what a manifest may hold (format.md, section 6). Whatever sits at a
 # manifest's name is read whole and parsed, so its size and its nesting are
 # bounded before any of it is believed; the writer refuses what would fail them.
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_RANK = 64
-MAX_DEVICES = 2**20  # devices of one mesh (a version-4 mesh's runs hold at most these)
+MAX_DEVICES = 2**20  # devices of one mesh, and of `writers` (runs hold at most these)
 MAX_LEAF_BYTES = 2**62
 # Integer fields are at most MAX_INT (2**63 - 1), so int64 arithmetic downstream
 # never wraps; free JSON (metrics, custom_metadata, json items) nests at most
@@ -153,7 +155,11 @@ class Manifest:
     items: tuple[ItemRecord, ...]
     metrics: Any = None
     custom_metadata: Any = None
-    # Copies of one save in formats 1 to 4 are the same records.
+    # The saving job's writer label of each of its devices (version 5 on; empty
+    # where a manifest does not say): which writer holds which box, for a
+    # restore onto another layout or by a job of another shape (core.writers).
+    writers: WriterRuns = dataclasses.field(default=(), compare=False)
+    # Copies of one save in formats 1 to 5 are the same records.
     version: int = dataclasses.field(default=FORMAT_VERSION, compare=False)
 
     def item(self, name: str) -> ItemRecord:
@@ -287,7 +293,7 @@ def to_json(m: Manifest) -> bytes:
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": m.step,
         "save_id": m.save_id, "created": m.created,
         "process": {"index": m.process_index, "count": m.process_count},
-        "meshes": meshes.table, "items": items,
+        "meshes": meshes.table, "writers": [list(w) for w in m.writers], "items": items,
         "metrics": m.metrics, "custom_metadata": m.custom_metadata,
     }
     # Leaf floats are hex strings; NaN/Infinity can only come from user metrics
@@ -303,6 +309,12 @@ def to_json(m: Manifest) -> bytes:
 
 def _check_writable(m: Manifest) -> None:
     where = f"step {m.step}"
+    end = 0
+    for first, n, label in m.writers:
+        if first < end or n < 1 or not 0 <= label < m.process_count:
+            raise ValueError(f"{where}: the writers table {list(m.writers)[:4]}... is not "
+                             "ascending, disjoint runs of the save's writers")
+        end = first + n
     for it in m.items:
         for lf in it.leaves:
             if lf.kind in ARRAY_KINDS and lf.dtype not in DTYPES:
@@ -428,6 +440,29 @@ def _parse_meshes(r: Reader, v: Any) -> list[dict]:
         out.append({"axis_names": list(axes), "mesh_shape": list(m["mesh_shape"]),
                     "device_ids": ids})
     return out
+
+
+def _parse_writers(r: Reader, v: Any, count: int) -> WriterRuns:
+    """A version-5 manifest's `writers` (section 4.6): runs [first device
+    id, count, writer label] in ascending order of id, disjoint, each label
+    one of the save's `count` writers, at most MAX_DEVICES devices in all."""
+    out: list[tuple[int, int, int]] = []
+    end = total = 0
+    for j, raw in enumerate(r.list_(v, "writers", MAX_DEVICES)):
+        where = f"writers[{j}]"
+        run = r.ints(raw, where, 3)
+        if len(run) != 3 or run[1] < 1 or not 0 <= run[2] < count:
+            raise r.fail(f"{where} must be a run [first device id, count >= 1, writer label "
+                         f"below process.count {count}], got {short(raw)}")
+        first, n, label = run
+        total += n
+        if first < end or total > MAX_DEVICES or first + n - 1 > MAX_INT:
+            raise r.fail(f"{where}: runs must name ascending, disjoint device ids, at most "
+                         f"{MAX_DEVICES} devices in all; devices from {first} overlap or "
+                         "overrun them")
+        end = first + n
+        out.append((first, n, label))
+    return tuple(out)
 
 
 def _axes(r: Reader, s: dict, ctx: str) -> tuple[str, ...]:
@@ -617,7 +652,8 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
     r = Reader(where)
     d = _load(r, bytes(data))
     fields = set(_TOP_FIELDS) | ({"manifest_crc32c"} if d["version"] >= 2 else set()) \
-        | ({"meshes"} if d["version"] >= 4 else set())
+        | ({"meshes"} if d["version"] >= 4 else set()) \
+        | ({"writers"} if d["version"] >= 5 else set())
     d = r.obj(d, "manifest", fields)
     proc = r.obj(d["process"], "process", {"index", "count"})
     count = r.int_(proc["count"], "process.count", 1)
@@ -632,6 +668,7 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
                      f"time up to the year 9999), got {short(created)}")
     step = r.int_(d["step"], "step")
     meshes = _parse_meshes(r, d["meshes"]) if d["version"] >= 4 else None
+    writers = _parse_writers(r, d["writers"], count) if d["version"] >= 5 else ()
     items = [_parse_item(r, it, f"items[{i}]", d["version"] >= 3, meshes)
              for i, it in enumerate(r.list_(d["items"], "items"))]
     names = [it.name for it in items]
@@ -645,4 +682,4 @@ def parse(data: bytes, where: str = "manifest") -> Manifest:
     return Manifest(step, r.str_(d["save_id"], "save_id"),
                     created, index, count, tuple(items),
                     r.shallow(d["metrics"], "metrics"),
-                    r.shallow(d["custom_metadata"], "custom_metadata"), d["version"])
+                    r.shallow(d["custom_metadata"], "custom_metadata"), writers, d["version"])

@@ -38,6 +38,10 @@ class Choice:
     created: float
     manifest: Manifest  # process 0's, with every process's chunks merged in
     sources: Mapping[str, tuple[str, ...]]
+    # Holds only some writers' manifests of a tier the whole job sees (those
+    # predicted to hold this process's boxes): a restore first checks that
+    # its targets' boxes are covered (restore.assemble.Uncovered).
+    partial: bool = False
 
 
 def has_copy(sizes: Mapping[str, int | None], tier: str, c: ChunkRecord,

@@ -120,16 +120,3 @@ def _mesh(desc: dict) -> jax.sharding.Mesh | None:
     # 40 times slower at thousands of devices)
     devs = np.fromiter((by_id[i] for i in ids), dtype=object, count=len(ids))
     return jax.sharding.Mesh(devs.reshape(desc["mesh_shape"]), tuple(desc["axis_names"]))
-    by_id = {d.id: d for d in jax.devices()}
-    if desc["type"] == "single_device":
-        d = by_id.get(desc["device_id"])
-        return jax.sharding.SingleDeviceSharding(d) if d is not None else None
-    if desc["type"] == "named":
-        if any(i not in by_id for i in desc["device_ids"]):
-            return None
-        devs = np.array([by_id[i] for i in desc["device_ids"]], dtype=object)
-        mesh = jax.sharding.Mesh(devs.reshape(desc["mesh_shape"]), tuple(desc["axis_names"]))
-        spec = jax.sharding.PartitionSpec(
-            *[tuple(p) if isinstance(p, list) else p for p in desc["spec"]])
-        return jax.sharding.NamedSharding(mesh, spec)
-    return None

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -428,6 +429,21 @@ except ImportError:  # pragma: no cover - another jax
     _batched_put = None
 
 
+def _leaf_target(rec: LeafRecord, tgt: LeafTarget, where: str, layouts: Layouts
+                 ) -> tuple[str, jax.sharding.Sharding | None]:
+    """How one checked leaf is restored: ("none" | "scalar" | "numpy" |
+    "key" | "jax", the sharding its chunks' data is placed on (key leaves:
+    their key data's))."""
+    if rec.kind in ("none", "scalar"):
+        return rec.kind, None
+    if tgt.kind == "numpy" or (tgt.kind == "value" and rec.kind.startswith("numpy")):
+        return "numpy", None
+    sharding = tgt.sharding if tgt.kind == "jax" else None
+    if rec.kind == "prng_key":
+        return "key", _key_data_sharding(sharding) or _default_sharding(rec, where, layouts)
+    return "jax", sharding or _default_sharding(rec, where, layouts)
+
+
 def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
                where: str, layouts: Layouts | None = None) -> Callable[[], Any]:
     """Checks one leaf's target and starts its reads; the returned call
@@ -435,13 +451,14 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
     share (one per restore; None: worked out for this leaf alone)."""
     layouts = layouts or Layouts()
     _check(rec, tgt, where)
-    if rec.kind == "none":
+    how, sharding = _leaf_target(rec, tgt, where, layouts)
+    if how == "none":
         return lambda: None
-    if rec.kind == "scalar":
+    if how == "scalar":
         value = decode_scalar(rec.value)
         return lambda: value
     cast = _cast_to(rec, tgt)
-    if tgt.kind == "numpy" or (tgt.kind == "value" and rec.kind.startswith("numpy")):
+    if how == "numpy":
         full = (tuple(0 for _ in rec.shape), tuple(rec.shape))
         read = _read_boxes(rec, [full], reader, where, False, layouts=layouts.plans)
 
@@ -450,10 +467,9 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
             arr = np.array(got) if cast is None else got.astype(cast)
             return arr[()] if rec.kind == "numpy_scalar" and tgt.kind == "value" else arr
         return numpy_leaf
-    sharding = tgt.sharding if tgt.kind == "jax" else None
-    if rec.kind == "prng_key":
-        data_sharding = _key_data_sharding(sharding) or _default_sharding(rec, where, layouts)
-        data = _start_jax(rec, data_sharding, reader, where, layouts=layouts)
+    assert sharding is not None  # jax and key leaves have one
+    if how == "key":
+        data = _start_jax(rec, sharding, reader, where, layouts=layouts)
 
         def key_leaf() -> Any:
             key = jax.random.wrap_key_data(data(), impl=rec.key_impl)
@@ -461,8 +477,45 @@ def start_leaf(rec: LeafRecord, tgt: LeafTarget, reader: ChunkReader,
                 reader.fills[where].out, reader.fills[where].key_impl = key, rec.key_impl
             return key
         return key_leaf
-    return _start_jax(rec, sharding or _default_sharding(rec, where, layouts), reader, where, cast,
-                      tgt.into, layouts)
+    return _start_jax(rec, sharding, reader, where, cast, tgt.into, layouts)
+
+
+class Uncovered(ValueError):
+    """Raised before any read where a restore from a `Choice.partial` choice
+    finds target boxes that its chunks do not cover (a layout other than the
+    save's): `wants` holds, per (item index, leaf index) of the step's
+    records, the target boxes of this process, for the caller to read the
+    manifests of the writers that hold them (`core.writers.covering`)."""
+
+    def __init__(self, step: int, wants: dict[tuple[int, int], list]):
+        super().__init__(f"step {step}: this process's manifests do not cover its targets "
+                         f"({len(wants)} leaves)")
+        self.wants = wants
+
+
+def _check_covered(records: list[LeafRecord], targets: list[LeafTarget],
+                   reader: ChunkReader, wheres: list[str], layouts: Layouts) -> None:
+    """Raises Uncovered where the choice is partial and some target box of
+    this process is not covered by the chunks the choice holds: every
+    target box of the item's leaves that a leaf of the layout needs."""
+    if not reader.choice.partial:
+        return
+    index = {id(lf): (ii, li) for ii, it in enumerate(reader.choice.manifest.items)
+             for li, lf in enumerate(it.leaves)}
+    wants: dict[tuple[int, int], list] = {}
+    for rec, tgt, where in zip(records, targets, wheres, strict=True):
+        _check(rec, tgt, where)
+        how, sharding = _leaf_target(rec, tgt, where, layouts)
+        if how in ("none", "scalar") or math.prod(rec.shape) == 0:
+            continue
+        boxes = ([(tuple(0 for _ in rec.shape), tuple(rec.shape))] if sharding is None
+                 else list(layouts.targets(sharding, rec.shape).by_box))
+        try:
+            layouts.plans.plan(boxes, rec.chunks, where)
+        except ValueError:
+            wants[index[id(rec)]] = boxes
+    if wants:
+        raise Uncovered(reader.choice.step, wants)
 
 
 @contextlib.contextmanager
@@ -498,6 +551,7 @@ def restore_leaves(records: list[LeafRecord], targets: list[LeafTarget],
               if item not in ("", args_lib.DEFAULT_ITEM) else f"leaf {path_str(rec.path)}"
               for rec in records]
     with collections_paused():
+        _check_covered(records, targets, reader, wheres, layouts)
         reader.defer_checks()
         try:
             for rec, tgt, where in zip(records, targets, wheres, strict=True):

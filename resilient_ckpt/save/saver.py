@@ -35,6 +35,7 @@ from typing import Any
 
 from ..catalog.catalog import Catalog
 from ..compat import metadata
+from ..core import writers
 from ..core.manifest import Manifest
 from ..errors import SaveFailedError, StepNotFoundError
 from ..options import Plan
@@ -98,7 +99,8 @@ class Saver:
             raise
         rec.bytes, rec.fresh_bytes, rec.viewed = snap.nbytes, snap.fresh_bytes, snap.views
         header = dict(created=time.time(), process_index=peers.rank,
-                      process_count=peers.size, metrics=metadata.jsonable(metrics),
+                      process_count=peers.size, writers=writers.runs_of(peers.live),
+                      metrics=metadata.jsonable(metrics),
                       custom_metadata=metadata.jsonable(custom_metadata))
         self._catalog.note_in_flight(step, header["created"], header["metrics"])
         flight = Flight(snap, need, rec, {t.name for t in tiers}, header, StepClaim(

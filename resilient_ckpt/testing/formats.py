@@ -5,11 +5,12 @@ from __future__ import annotations
 
 
 def as_version_3(doc: dict) -> dict:
-    """A format-4 manifest's document (parsed JSON) as format 3 wrote it,
+    """A format-5 manifest's document (parsed JSON) as format 3 wrote it,
     changed in place and returned: each named sharding with its mesh written
-    out, every device id listed, no `meshes`, `version` 3. The trailing
+    out, every device id listed, no `meshes` and no `writers`, `version` 3. The trailing
     checksum is left for the caller to sign again."""
     meshes = doc.pop("meshes")
+    doc.pop("writers")
     for it in doc["items"]:
         for lf in it["leaves"]:
             s = lf["sharding"]

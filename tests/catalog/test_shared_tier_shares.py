@@ -56,6 +56,7 @@ def shared(tmp_path, monkeypatch):
 # The job the tests' catalogs stand for: 4 processes of 2 devices each
 # (device d on process d // 2), as in a job of 4 hosts.
 DEVICES = {d: d // 2 for d in range(8)}
+TABLE = ((0, 2, 0), (2, 2, 1), (4, 2, 2), (6, 2, 3))  # DEVICES as a manifest's `writers`
 
 
 def _by_device(step: int):
@@ -97,6 +98,7 @@ def _four_writers(tmp_path, split) -> FileStorage:
         (d / str(s) / name).unlink()
         for p in (d / str(s)).glob("claim.*"):
             p.unlink()
+        one = dataclasses.replace(one, writers=TABLE)  # as the job of DEVICES writes it
         for i in range(WRITERS):
             (d / str(s) / layout.manifest_name(i, WRITERS)).write_bytes(
                 mf.to_json((split or _by_device(s))(one, i)))
@@ -420,4 +422,64 @@ def test_a_sharding_description_that_misleads_falls_back_to_every_manifest(
     choice = cat.choice(1)
     assert reads == [layout.manifest_name(i, WRITERS) for i in first + list(range(WRITERS))]
     assert choice is not None and not cat.narrowed(1) and _holds(choice, 2)
+    assert {c.key for _, _, c in choice.manifest.chunks()} == _every_chunk(by_device)
+
+
+def _w_rows(choice_or_m, rows: tuple[int, int]) -> dict:
+    """`wants` of the "w" leaf (256 x 64, rows split over the 8 devices): one
+    target box of those rows, as a restore onto another layout asks."""
+    m = getattr(choice_or_m, "manifest", choice_or_m)
+    (ii, li), = [(ii, li) for ii, it in enumerate(m.items) for li, leaf in enumerate(it.leaves)
+                 if leaf.shape == (256, 64)]
+    return {(ii, li): [((rows[0], 0), (rows[1] - rows[0], 64))]}
+
+
+@pytest.mark.parametrize("q", [1, 2, 3])
+def test_a_restore_onto_another_layout_reads_the_writers_its_targets_overlap(
+        by_device, monkeypatch, q):
+    """Target rows 96-160 of "w" are saved by devices 3 and 4 (32 rows a
+    device): writers 1 and 2, read beside those held, not all 4; the choice
+    then covers the rows, and is still partial."""
+    reads = _reads(monkeypatch)
+    cat = _catalog(by_device, q)
+    cat.reload()
+    (m,) = cat.view("local")[1].manifests
+    _agree_on(cat, m)
+    first = cat.choice(1)
+    assert first is not None and first.partial
+    held = {x.process_index for x in cat.view("local")[1].manifests}
+    reads.clear()
+    choice = cat.choice(1, wants=_w_rows(first, (96, 160)))
+    assert reads == [layout.manifest_name(i, WRITERS) for i in sorted({1, 2} - held)]
+    assert choice is not None and choice.partial and cat.narrowed(1)
+    leaf = next(lf for it in choice.manifest.items for lf in it.leaves if lf.shape == (256, 64))
+    plan_target(((96, 0), (64, 64)), leaf.chunks, "w")  # covered: raises where not
+    if q != 3:  # writer 3's rows (192-256) are neither wanted nor its own
+        with pytest.raises(ValueError):
+            plan_target(((192, 0), (64, 64)), leaf.chunks, "w")
+
+
+@pytest.mark.parametrize("table", [
+    tuple((a, n, (w + 1) % WRITERS) for a, n, w in TABLE),  # every writer one off
+    ((0, 8, 0),),                                          # says writer 0 wrote it all
+], ids=["rotated", "all-writer-0"])
+def test_a_writers_table_that_lies_falls_back_to_every_manifest(by_device, monkeypatch, table):
+    """A `writers` table that does not say who wrote what (a hostile or buggy
+    writer) never fails the choice nor makes it miss a chunk: the writers it
+    names do not list the boxes, so every manifest is read."""
+    for i in range(WRITERS):
+        path = os.path.join(by_device.root, "1", layout.manifest_name(i, WRITERS))
+        m = mf.parse(open(path, "rb").read())
+        with open(path, "wb") as f:
+            f.write(mf.to_json(dataclasses.replace(m, writers=table)))
+    reads = _reads(monkeypatch)
+    cat = _catalog(by_device, 1)
+    cat.reload()
+    (m,) = cat.view("local")[1].manifests
+    _agree_on(cat, m)
+    cat.choice(1)
+    reads.clear()
+    choice = cat.choice(1, wants=_w_rows(m, (96, 160)))
+    assert sorted(set(reads)) == [layout.manifest_name(i, WRITERS) for i in range(WRITERS)]
+    assert choice is not None and not choice.partial and not cat.narrowed(1)
     assert {c.key for _, _, c in choice.manifest.chunks()} == _every_chunk(by_device)

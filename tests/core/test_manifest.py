@@ -1,5 +1,6 @@
 """Unit tests of the manifest: round trip, its checksum, version handling, and
 strict parsing: each defect is rejected with a message naming the field."""
+import dataclasses
 import json
 
 import google_crc32c
@@ -51,12 +52,12 @@ def _doc():
 
 
 def _v3(d: dict) -> dict:
-    """`d` (a version-4 document) as a version-3 writer wrote it."""
+    """`d` (a version-5 document) as a version-3 writer wrote it."""
     return formats.as_version_3(d)
 
 
 def _unpacked(d: dict, version: int) -> dict:
-    """`d` (a version-4 document) as a version `version` (1 or 2) writer wrote
+    """`d` (a version-5 document) as a version `version` (1 or 2) writer wrote
     it: no `pack` or `pack_offset` in its chunks."""
     d = _v3(d)
     for it in d["items"]:
@@ -81,7 +82,7 @@ def test_the_checksum_covers_every_byte_before_the_trailer():
     data = mf.to_json(sample())
     body, _, tail = data.rpartition(TRAILER)
     assert int(tail[:-1]) == google_crc32c.value(body) and tail.endswith(b"}")
-    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 4
+    assert json.loads(data)["version"] == mf.FORMAT_VERSION == 5
     assert encode(json.loads(data)) == data  # the spec's recipe gives the writer's bytes
 
 
@@ -504,3 +505,122 @@ def test_a_mesh_of_thousands_of_hosts_is_written_once_not_per_leaf():
     data = mf.to_json(_many_leaves(shuffled))
     assert len(data) < len(mf.to_json(small)) + 16384 * 12, len(data)  # each id once
     assert mf.parse(data) == _many_leaves(shuffled)
+
+
+# --------------------------------------------------------------- writers (version 5)
+
+RUNS = ((0, 2, 0), (2, 2, 1), (4, 2, 2), (6, 2, 3))  # 4 writers of 2 devices each
+
+
+def _writers_doc() -> dict:
+    """The sample's document as writer 0 of a 4-writer save writes it."""
+    d = _doc()
+    d["process"]["count"] = 4
+    d["writers"] = [list(w) for w in RUNS]
+    return d
+
+
+WRITERS_DEFECTS = {
+    "a run of count 0": ([[0, 0, 0]], "writers[0] must be a run [first device id, count >= 1"),
+    "a negative device id": ([[-1, 2, 0]], "writers[0][0] must be an integer"),
+    "a label of no writer": ([[0, 2, 0], [2, 2, 4]], "writers[1] must be a run [first device "
+                             "id, count >= 1, writer label below process.count 4]"),
+    "a negative label": ([[0, 2, -1]], "writers[0][2] must be an integer"),
+    "a label not an int": ([[0, 2, "0"]], "writers[0][2] must be an integer"),
+    "a count that is a bool": ([[0, True, 0]], "writers[0][1] must be an integer"),
+    "overlapping runs": ([[0, 2, 0], [1, 2, 1]], "writers[1]: runs must name ascending, "
+                         "disjoint device ids"),
+    "the same run twice": ([[0, 2, 0], [0, 2, 0]], "writers[1]: runs must name ascending"),
+    "descending runs": ([[4, 2, 2], [0, 2, 0]], "writers[1]: runs must name ascending"),
+    "a run of two": ([[0, 2]], "writers[0] must be a run [first device id"),
+    "a run of four": ([[0, 2, 0, 0]], "writers[0] has 4 entries, more than 3"),
+    "a run not a list": ([0, 2, 0], "writers[0] must be a list"),
+    "a run that is an object": ([{"first": 0, "count": 2, "label": 0}],
+                                "writers[0] must be a list"),
+    "writers not a list": ({"0": 0}, "writers must be a list"),
+    "writers null": (None, "writers must be a list"),
+    # one run of 2**20 + 1 devices: refused from its count, no id made
+    "more than MAX_DEVICES in one run": ([[0, mf.MAX_DEVICES + 1, 0]],
+                                         "writers[0]: runs must name ascending, disjoint "
+                                         "device ids, at most 1048576 devices in all"),
+    "more than MAX_DEVICES in all": ([[0, mf.MAX_DEVICES, 0], [2**40, 1, 1]],
+                                     "writers[1]: runs must name ascending, disjoint device "
+                                     "ids, at most 1048576 devices in all"),
+    "a run past the largest id": ([[2**63 - 1, 2, 0]], "writers[0]: runs must name"),
+    "an id past MAX_INT": ([[2**63, 1, 0]], "writers[0][0] must be an integer in [0, "
+                           "9223372036854775807]"),
+    "a count past MAX_INT": ([[0, 2**64, 0]], "writers[0][1] must be an integer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS_DEFECTS))
+def test_each_defect_of_the_writers_table_is_rejected_naming_the_run(name):
+    table, msg = WRITERS_DEFECTS[name]
+    d = _writers_doc()
+    d["writers"] = table
+    with pytest.raises(CorruptCheckpointError) as ei:
+        mf.parse(encode(d), "tier/7/manifest.0-of-4.json")
+    assert str(ei.value).startswith("tier/7/manifest.0-of-4.json: ")
+    assert msg in str(ei.value)
+    assert not isinstance(ei.value, UnsupportedFormatError)  # damaged, not newer
+
+
+def test_the_writers_table_holds_at_most_max_devices_runs_and_devices(monkeypatch):
+    monkeypatch.setattr(mf, "MAX_DEVICES", 4)
+    d = _writers_doc()
+    d["writers"] = [[0, 1, 0], [2, 1, 1], [4, 1, 2], [6, 1, 3]]
+    assert mf.parse(encode(d)).writers == ((0, 1, 0), (2, 1, 1), (4, 1, 2), (6, 1, 3))
+    d["writers"] = [[i, 1, 0] for i in range(5)]
+    with pytest.raises(CorruptCheckpointError, match=r"writers has 5 entries, more than 4"):
+        mf.parse(encode(d))
+    d["writers"] = [[0, 2, 0], [4, 3, 1]]
+    with pytest.raises(CorruptCheckpointError, match=r"writers\[1\]: .*at most 4 devices"):
+        mf.parse(encode(d))
+
+
+def test_the_writers_table_at_its_limits_parses():
+    d = _writers_doc()
+    for table in ([[0, mf.MAX_DEVICES, 0]],                        # every device a run holds
+                  [[2**63 - mf.MAX_DEVICES, mf.MAX_DEVICES, 3]],   # up to the largest id
+                  [[0, 1, 0], [1, 1, 0], [5, 3, 2]],               # adjacent runs, a gap
+                  []):                                             # a table that says nothing
+        d["writers"] = table
+        assert mf.parse(encode(d)).writers == tuple(tuple(w) for w in table)
+
+
+def test_the_writers_runs_round_trip():
+    m = dataclasses.replace(sample(), process_count=4, writers=RUNS)
+    data = mf.to_json(m)
+    assert json.loads(data)["writers"] == [list(w) for w in RUNS]
+    assert list(json.loads(data)) == ["format", "version", "step", "save_id", "created",
+                                      "process", "meshes", "writers", "items", "metrics",
+                                      "custom_metadata", "manifest_crc32c"]
+    back = mf.parse(data)
+    assert back.writers == RUNS and back.version == 5 and back == m
+    assert mf.to_json(back) == data
+    assert mf.parse(mf.to_json(sample())).writers == ()
+
+
+def test_a_version_4_manifest_with_writers_is_a_newer_format():
+    d = _writers_doc()
+    d["version"] = 4
+    with pytest.raises(UnsupportedFormatError, match=r"unknown fields \['writers'\]"):
+        mf.parse(encode(d), "m.json")
+
+
+def test_a_version_5_manifest_without_writers_is_corrupt():
+    d = _writers_doc()
+    del d["writers"]
+    with pytest.raises(CorruptCheckpointError, match=r"m.json: .*lacks fields \['writers'\]"):
+        mf.parse(encode(d), "m.json")
+
+
+def test_version_4_is_read_with_no_writers_and_rewritten_in_the_current_format():
+    d = _doc()
+    del d["writers"]
+    d["version"] = 4
+    m = mf.parse(encode(d), "m.json")
+    assert m.version == 4 and m.writers == () and m == sample()
+    again = json.loads(mf.to_json(m))  # a copy to another tier: version 5, an empty table
+    assert again["version"] == mf.FORMAT_VERSION and again["writers"] == []
+    assert mf.parse(encode(_v3(_doc()))).writers == ()
