@@ -31,19 +31,21 @@ and every branch after it is taken from the same exchanged data:
 Exchanged views come in the order of the live processes (`peers.live`).
 
 How a round travels: in a job that votes (`options.agreement_vote`; by
-default from `vote.AUTO_FROM` processes on), while every process is live, the rounds of
-saves after the first, of `finish` and of reloads and restores are first
-put to the job's vote (`_start_vote`, `_voted`): each process's view as a
-fixed vector (`core.summary`), one all-reduce over the devices
-(`multihost.vote`), dispatched where every process dispatches its training
+default from `vote.AUTO_FROM` processes on; after a loss, among the
+survivors' devices), the rounds of saves after the first, of `finish`
+and of reloads and restores are first put to the job's vote
+(`_start_vote`, `_voted`): each process's view as a fixed vector
+(`core.summary`), one all-reduce over the devices (`multihost.vote`),
+dispatched where every process dispatches its training
 programs, so in the same order everywhere. A restore's own rounds are
 votes of a few numbers (`_small_vote`): whether some process lacks the step
 and the first that has it; whether some process failed or left holes. What
 a vote cannot decide (an irregular view, a failure or a hole anywhere,
 which every process sees alike) and a vote that failed go through the
 key-value store (`agree.Peers.decide`), which names a process that does
-not answer. The open, a manager's first save and every round after a loss
-always use the store.
+not answer. The open and a manager's first save always use the store; so
+do, after a loss, the rounds whose views still speak of saves of the whole
+job (irregular to a vote among the survivors) until retention drops them.
 """
 from __future__ import annotations
 
@@ -171,9 +173,13 @@ class Coordinator:
         return job, errors, step
 
     def _can_vote(self) -> bool:
-        """Whether the job votes (the option is on and every process of the job
-        is live: the same answer on every process)."""
-        return self._voting and self.peers.many and self.peers.size == self.peers.count
+        """Whether the job votes (the option is on and more than one process
+        is live: the same answer on every process). After a loss the vote is
+        among the survivors' devices (`set_live` drops the old one); views
+        that still speak of saves by the job before the loss are irregular
+        (`summary.encode`), so those rounds go through the store until
+        retention has dropped those saves."""
+        return self._voting and self.peers.many
 
     def _start_vote(self, what: str, errors: list[SaveFailedError]) -> tuple:
         """On the calling thread, at a point every process reaches (a save,
@@ -311,6 +317,7 @@ class Coordinator:
                 self._take(job, errors, hold=True)
             self._cancel = threading.Event()
         self.peers.set_live(processes)
+        self._vote = None  # the next vote is among the survivors' devices
         self._catalog.reload()  # the lost processes' last commits included
         self._started.clear()
         self.refresh("a change of the live processes")

@@ -104,7 +104,8 @@ def train(mesh):
         for k, v in init.items()})
     if el.timeline:
         mh.report({"restored": start, "bytes": mngr.last_restore.bytes_by_tier,
-                   "mesh": dict(mesh.shape), "exact": mismatches(state, start)})
+                   "mesh": dict(mesh.shape), "exact": mismatches(state, start),
+                   "votes": mngr._coord.votes})
     for s in range(start + 1, opt.total + 1):
         stall("step", s)
         state = el.step(step_fn, state, jnp.int32(s))
@@ -146,10 +147,14 @@ def _manifests(path: str, step: int) -> list[str]:
     # the job votes (multihost.vote): the loss lands on a vote under way
     pytest.param(4, 2, 1, "save+vote", id="4proc-between-steps-voting",
                  marks=pytest.mark.slow),
-    pytest.param(2, 4, 1, "step+vote", id="2proc-voting", marks=pytest.mark.slow)])
+    pytest.param(2, 4, 1, "step+vote", id="2proc-voting", marks=pytest.mark.slow),
+    # long enough for retention to drop the whole job's saves: then the
+    # survivors vote among themselves
+    pytest.param(4, 2, 2, "step+vote+long", id="4proc-voting-after-the-loss",
+                 marks=pytest.mark.slow)])
 def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
-    die_at, total = 8, 11
-    stall, vote = stall.partition("+")[::2]
+    stall, vote, long = (stall.split("+") + ["", ""])[:3]
+    die_at, total = 8, 20 if long else 11
     job = start_job(WORKER, nprocs, devices, args=[
         "--dir", hosts["dir"], "--ram", hosts["ram"], "--victim", str(victim),
         "--die-at", str(die_at), "--total", str(total), "--stall", stall,
@@ -179,14 +184,19 @@ def test_survivors_go_on(hosts, nprocs, devices, victim, stall):
         assert done["latest"] == total and done["again"] == total, why
         assert done["again_exact"] == [], why
         assert (done["votes"] >= 5) == bool(vote), why  # saves before the loss voted
+        # and the survivors' saves, once no view speaks of the whole job's
+        assert (done["votes"] - restored["votes"] >= 3) == bool(long), why
     assert all(r.last("done")["events"][0]["lost_devices"] ==
                alive[0].last("done")["events"][0]["lost_devices"] for r in alive)
-    # The shared tier: step 6 by the whole job, step 9 by the survivors only.
+    # The shared tier: step 6 by the whole job, step 9 by the survivors only
+    # (a long run keeps only the survivors' 18 and 15).
     n = nprocs - 1
-    assert _manifests(hosts["dir"], 6) == [f"manifest.{i}-of-{nprocs}.json"
-                                          for i in range(nprocs)]
-    assert _manifests(hosts["dir"], 9) == [f"manifest.{i}-of-{n}.json" for i in range(n)]
-    assert 9 in step_dirs(hosts["dir"])
+    if not long:
+        assert _manifests(hosts["dir"], 6) == [f"manifest.{i}-of-{nprocs}.json"
+                                              for i in range(nprocs)]
+    for s in (15, 18) if long else (9,):
+        assert _manifests(hosts["dir"], s) == [f"manifest.{i}-of-{n}.json" for i in range(n)]
+        assert s in step_dirs(hosts["dir"])
     json.dumps(alive[0].last("done"))  # the events are plain data
 
 
