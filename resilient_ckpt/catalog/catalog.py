@@ -455,6 +455,7 @@ class Catalog:
             old = first if old is None else selection.TierStep(
                 tier, old.manifests + first.manifests, {**old.sizes, **first.sizes})
             have = ours(old.manifests)
+        assert old is not None  # `have` came from it
         held = {m.process_index for m in old.manifests if isinstance(m, Manifest)}
         some = next(iter(have.values()))
         owners = self._owners(agreed.count)

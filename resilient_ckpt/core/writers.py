@@ -38,7 +38,7 @@ def runs_of(live: Sequence[int]) -> WriterRuns:
     """The `writers` runs of a save by the processes `live` (jax indices,
     ascending; each one's label its rank among them): every device of
     theirs, by id."""
-    return _runs(tuple(live), tuple((int(d.id), int(d.process_index))  # type: ignore[attr-defined]
+    return _runs(tuple(live), tuple((int(d.id), int(d.process_index))
                                     for d in jax.devices()))
 
 
