@@ -162,6 +162,11 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
     if zero_copy and dest is None and plans:  # views of RAM-tier chunks mapped in row order
         mapped, left = reader.stitch(plans, dtype)
         plans = {b: stitched[b] for b in left}
+    views: dict = {}
+    if zero_copy and singles and reader.deferring:  # RAM-tier chunks mapped in one pass
+        got = reader.mapped(list(singles.values()), where)
+        views = {b: v for b, v in zip(singles, got, strict=True) if v is not None}
+        singles = {b: c for b, c in singles.items() if b not in views}
     read = [b for b, c in singles.items() if not _mappable(reader, c, zero_copy)]
     bufs = dict(zip(read, carve([singles[b].nbytes for b in read]), strict=True))
     for box, c in singles.items():
@@ -177,6 +182,7 @@ def _read_boxes(rec: LeafRecord, boxes: list, reader: ChunkReader, where: str,
                 unmapped[box] = stitched[box]
         if unmapped:
             out.update(_assemble(unmapped, dtype, reader, where)())
+        out.update({b: v.view(dtype).reshape(b[1]) for b, v in views.items()})
         out.update({b: f.result().view(dtype).reshape(b[1]) for b, f in wholes.items()})
         return out
     return done

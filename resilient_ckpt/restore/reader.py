@@ -24,7 +24,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -266,6 +266,38 @@ class ChunkReader:
                 raise CorruptCheckpointError(f"crc32c mismatch in {st.url}/{key}")
             return buf, c.stored_nbytes
         return self._from_tiers(c, where, read)
+
+    def mapped(self, chunks: Sequence[ChunkRecord], where: str) -> list[np.ndarray | None]:
+        """What `whole(c, where, zero_copy=True, defer=True)` returns for each
+        of `chunks` whose first copy is a raw one on a RAM tier (`zero_copy`):
+        its mapping, unchecked, its check deferred; None for any other chunk,
+        to be read by `whole`, which also reports a copy that failed to map. One
+        pass for a leaf's chunks: a thousand-leaf state has thousands of
+        small chunks, and the calls of `whole` per chunk were most of a RAM
+        restore of one (docs/benchmarks.md). Only from the thread that
+        called `defer_checks`."""
+        out: list[np.ndarray | None] = []
+        deferred = self._deferred
+        if deferred is None:
+            return [None] * len(chunks)
+        for c in chunks:
+            tier = self.first_copy(c) if c.codec == "raw" else None
+            st = None if tier is None else self.storages[tier]
+            buf = None
+            if st is not None and st.zero_copy:
+                try:
+                    buf = st.map(f"{self.dir}/{c.object}", c.stored_nbytes, c.pack_offset)
+                except (CorruptCheckpointError, StorageError):
+                    buf = None  # `whole` tries it again, and says why
+            out.append(buf)
+            if buf is not None:
+                deferred.append((c, where, st, buf))
+                self._deferred_bytes += c.stored_nbytes
+                if self._deferred_bytes >= DEFER_BATCH_BYTES:
+                    self._check_batch()
+                    deferred = self._deferred
+                    assert deferred is not None  # a batch begins a new list
+        return out
 
     @property
     def deferring(self) -> bool:
