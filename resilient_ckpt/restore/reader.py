@@ -23,6 +23,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -61,6 +62,22 @@ VOUCH_MIN_BYTES = 256 << 20
 # Deferred checks of mapped copies start in batches of this many bytes, so the
 # pool checksums while the restoring thread maps the next leaves too.
 DEFER_BATCH_BYTES = 64 << 20
+
+
+def _checkers() -> int:
+    """Threads that run the deferred checks: every core this process may use
+    but one, which the restoring thread keeps, and at most 4. A RAM restore
+    of a big state is its checksums and their first touch of the mapped
+    pages (0.13 s a GiB on one core here, halved on two); on two cores a
+    second checker starved the restoring thread (docs/benchmarks.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores - 1))
+
+
+CHECKERS = _checkers()
 
 
 class ChunkReader:
@@ -111,9 +128,8 @@ class ChunkReader:
         self._counted: set[str] = set()  # chunks a deferred check counted as served
         # Batches of deferred copies, each with its check on `_checker`.
         self._checks: list[tuple[list, cf.Future]] = []
-        # One thread for them: on a few cores, several checksumming at once
-        # starved the restoring thread.
-        self._checker = cf.ThreadPoolExecutor(1, thread_name_prefix="rc-check")
+        # As many threads as leave the restoring thread a core (`CHECKERS`).
+        self._checker = cf.ThreadPoolExecutor(CHECKERS, thread_name_prefix="rc-check")
         self._tier_of = {id(st): n for n, st in self.storages.items()}
         self._held = contextlib.ExitStack()  # the step's directory, open till close
         for st in storages.values():

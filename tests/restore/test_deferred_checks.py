@@ -11,9 +11,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from resilient_ckpt import CheckpointManager, CheckpointManagerOptions, LocalTier, RamTier
-from resilient_ckpt.restore import assemble
+from resilient_ckpt.restore import assemble, reader
 from tests.support import packs
 from tests.support.layouts import host_values, saved
 
@@ -34,7 +35,15 @@ def assert_exact(out, state, host):
     assert np.array_equal(jax.random.key_data(out["key"]), jax.random.key_data(state["key"]))
 
 
-def test_two_bad_chunks_in_one_run_of_a_pack_each_fall_back_and_nothing_else(dirs):
+@pytest.mark.parametrize("checkers, batch", [(None, None), (3, 4096)],
+                         ids=["as-configured", "3-checkers-4KiB-batches"])
+def test_two_bad_chunks_in_one_run_of_a_pack_each_fall_back_and_nothing_else(
+        dirs, monkeypatch, checkers, batch):
+    """Also with three checker threads taking batches of a few chunks each
+    at once (a host with more cores), the restoring thread taking the last."""
+    if checkers is not None:
+        monkeypatch.setattr(reader, "CHECKERS", checkers)
+        monkeypatch.setattr(reader, "DEFER_BATCH_BYTES", batch)
     root, ram = dirs
     host = host_values()
     state = saved(root, ram, host)
