@@ -41,9 +41,9 @@ class Reader:
 
     def load(self, data: bytes) -> Any:
         """The JSON value of UTF-8 `data`; too deep, too large or not JSON is
-        corrupt. No garbage collection runs during the parse: one that came
-        as a hostile file's nesting takes the parser to the recursion limit
-        would run other objects' finalizers with no stack left, and they
+        corrupt. No garbage collection runs during the parse: one that starts
+        while a hostile file's nesting holds the parser at the recursion
+        limit runs other objects' finalizers with no stack left, and they
         fail (unraisable RecursionErrors, seen as a flaky test)."""
         collecting = gc.isenabled()
         gc.disable()

@@ -262,10 +262,7 @@ class ChunkReader:
             raw = c.codec == "raw"
             buf = st.map(key, c.stored_nbytes, at) if zero_copy and raw else None
             if buf is not None and defer and self._deferred is not None:
-                self._deferred.append((c, where, st, buf))
-                self._deferred_bytes += c.stored_nbytes
-                if self._deferred_bytes >= DEFER_BATCH_BYTES:  # checked meanwhile
-                    self._check_batch()
+                self._defer(c, where, st, buf)
                 return buf, None
             if buf is None and raw:
                 buf = out if out is not None else host_buffer(c.stored_nbytes)
@@ -293,8 +290,7 @@ class ChunkReader:
         restore of one (docs/benchmarks.md). Only from the thread that
         called `defer_checks`."""
         out: list[np.ndarray | None] = []
-        deferred = self._deferred
-        if deferred is None:
+        if self._deferred is None:
             return [None] * len(chunks)
         for c in chunks:
             tier = self.first_copy(c) if c.codec == "raw" else None
@@ -302,18 +298,22 @@ class ChunkReader:
             buf = None
             if st is not None and st.zero_copy:
                 try:
-                    buf = st.map(f"{self.dir}/{c.object}", c.stored_nbytes, c.pack_offset)
+                    buf = st.map(self._key(c), c.stored_nbytes, c.pack_offset)
                 except (CorruptCheckpointError, StorageError):
                     buf = None  # `whole` tries it again, and says why
             out.append(buf)
-            if buf is not None:
-                deferred.append((c, where, st, buf))
-                self._deferred_bytes += c.stored_nbytes
-                if self._deferred_bytes >= DEFER_BATCH_BYTES:
-                    self._check_batch()
-                    deferred = self._deferred
-                    assert deferred is not None  # a batch begins a new list
+            if st is not None and buf is not None:
+                self._defer(c, where, st, buf)
         return out
+
+    def _defer(self, c: ChunkRecord, where: str, st: Storage, buf: np.ndarray) -> None:
+        """Notes a mapped copy whose check is deferred; every
+        `DEFER_BATCH_BYTES` of them start being checked meanwhile."""
+        assert self._deferred is not None  # only between defer_checks and check_deferred
+        self._deferred.append((c, where, st, buf))
+        self._deferred_bytes += c.stored_nbytes
+        if self._deferred_bytes >= DEFER_BATCH_BYTES:
+            self._check_batch()
 
     @property
     def deferring(self) -> bool:
