@@ -392,6 +392,7 @@ class Coordinator:
         candidates = [step] if step is not None else sorted(agreed, reverse=True)
         # With tiers of its own per host and tiers it shares, own ones first.
         mixed = {st.shared for st in self._catalog.storages().values()} == {True, False}
+        newest = ""  # why the newest step failed, for the error if every one does
         for s in candidates:
             out, failures, error = self._try_step(s, attempt, own_only=mixed)
             if failures and all(f[0] == "fallback" for _, f in failures) and mixed:
@@ -413,8 +414,11 @@ class Coordinator:
                                              f"restored on every process ({said})")
             log.warning("step %d is not restorable on every process (%s); all fall back to "
                         "the next older viable step", s, said)
+            # The newest step's reasons go with the error: one cause (a
+            # target the saved shape does not fit) fails every step alike.
+            newest = newest or f"step {s}: {said[:2000]}"
         raise StepNotFoundError(f"no step of {self._directory} is restorable on every "
-                                f"process (tried {candidates})")
+                                f"process (tried {candidates}; {newest or 'none'})")
 
     def _try_step(self, step: int, attempt: Callable[..., Any], own_only: bool = False
                   ) -> tuple[Any, list, BaseException | None]:

@@ -112,9 +112,14 @@ def mesh_problem(mesh: Mesh, live: Sequence[int]) -> str | None:
     idle = sorted(set(live) - used)
     if idle:
         return (f"the mesh chosen for the survivors leaves processes {idle} without a "
-                "device, and every process must take part in each step: pass a "
-                "choose_mesh that keeps a device of every survivor, e.g. "
-                "functools.partial(shrink_data_axis, divisor=False)")
+                "device, and every process must take part in each step. Where each "
+                "host's devices fill whole rows of the data axis, "
+                "functools.partial(shrink_data_axis, divisor=False) keeps a device of "
+                "every survivor; where a row spans hosts (a model axis across hosts, "
+                "e.g. one device per host), a lost host leaves the other hosts of its "
+                "row without a whole row: lay the mesh out with each row on one host, "
+                "pass a choose_mesh that gives every survivor a device, or relaunch "
+                "the job (it restores the same step)")
     return None
 
 

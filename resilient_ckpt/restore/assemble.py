@@ -101,6 +101,15 @@ def _check(rec: LeafRecord, tgt: LeafTarget, where: str) -> None:
     if tgt.shape is not None and tuple(tgt.shape) != tuple(saved_shape):
         raise TargetMismatchError(f"{where}: saved with shape {tuple(saved_shape)}, target "
                                   f"has shape {tuple(tgt.shape)}")
+    if tgt.sharding is not None and tgt.kind == "jax":
+        try:  # a target its own sharding cannot split fails every step alike
+            tgt.sharding.shard_shape(tuple(saved_shape))
+        except ValueError as e:
+            raise TargetMismatchError(
+                f"{where}: the target's sharding cannot split shape {tuple(saved_shape)} "
+                f"({e}); give a sharding whose mesh axes divide it (on a smaller mesh "
+                "after a loss: a mesh policy that keeps a dividing number of rows, "
+                "such as shrink_data_axis with divisor=True)") from e
     if tgt.dtype is None:
         return
     # Another numeric dtype is a cast (`_cast`); a key and a number are not.

@@ -71,6 +71,44 @@ def test_readable_uses_every_copy_of_a_process_manifest():
                                                                       chunk(2).key}
 
 
+def test_a_copy_packed_elsewhere_is_no_source_of_the_kept_record():
+    """After a loss, a survivor reads with the shared tier's manifests too.
+    Its own RAM pack holds a replica of writer 0's chunk, at another place
+    than writer 0's pack on the shared tier, and its own chunk at another
+    place than its own pack there: each chunk is read only from the tiers
+    that hold it where its kept record says (before, the survivor looked for
+    writer 0's pack in its own RAM, failed, and fell back with a warning)."""
+    from resilient_ckpt.core import manifest as mf
+    from resilient_ckpt.core.selection import TierStep
+    from resilient_ckpt.core.shares import readable
+
+    def chunk(row, pack, at):
+        return mf.ChunkRecord((row,), (2,), f"00000000.c0.0.{row}", 8, 8, row,
+                              pack=pack, pack_offset=at)
+
+    def manifest(process, chunks):
+        leaf = mf.LeafRecord((("key", "w"),), "array", (4,), "float32", None, None, None,
+                             tuple(chunks))
+        return mf.Manifest(5, "s" * 32, 1.0, process, 2,
+                           (mf.ItemRecord("default", "pytree", (leaf,)),))
+
+    k0, k2 = chunk(0, "x", 0).key, chunk(2, "x", 0).key
+    ram = TierStep("ram", (manifest(1, [chunk(0, "00000000.p1.a", 0),
+                                        chunk(2, "00000000.p1.a", 64)]),), {k0: 8, k2: 8})
+    local = TierStep("local", (manifest(0, [chunk(0, "00000000.p0.b", 0)]),
+                               manifest(1, [chunk(2, "00000000.p1.c", 0)])), {k0: 8, k2: 8})
+    c = readable([ram, local], ["ram", "local"], frozenset(), 5, "s" * 32)
+    assert c is not None
+    assert c.sources == {k0: ("local",), k2: ("ram",)}
+    kept = {ch.key: ch for ch in c.manifest.items[0].leaves[0].chunks}
+    assert kept[k0].object == "00000000.p0.b" and kept[k2].object == "00000000.p1.a"
+    # The same pack at the same place in both tiers: both are sources.
+    same = TierStep("local", (manifest(1, [chunk(0, "00000000.p1.a", 0),
+                                           chunk(2, "00000000.p1.a", 64)]),), {k0: 8, k2: 8})
+    c = readable([ram, same], ["ram", "local"], frozenset(), 5, "s" * 32)
+    assert c is not None and c.sources == {k0: ("ram", "local"), k2: ("ram", "local")}
+
+
 # ---------------------------------------------------------------- the union of what processes read
 
 def _grid(rows: int, cols: int, gr: int, gc: int) -> list[list]:

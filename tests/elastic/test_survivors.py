@@ -274,7 +274,9 @@ def test_survivors_checks_and_the_managers_labels(mesh):
     from resilient_ckpt.multihost.agree import Peers
     assert survivors.mesh_problem(mesh, [0]) is None
     assert "process 0" in survivors.mesh_problem(mesh, [1, 2])
-    assert "[1]" in survivors.mesh_problem(mesh, [0, 1])   # process 1 has no device in it
+    idle = survivors.mesh_problem(mesh, [0, 1])   # process 1 has no device in it
+    assert "[1]" in idle and "divisor=False" in idle
+    assert "row spans hosts" in idle and "relaunch" in idle  # what divisor=False cannot mend
     assert survivors.live_after({0, 1}, [0]) == [0]      # one process: never lost
     peers = Peers()
     assert (peers.rank, peers.size, peers.many) == (0, 1, False)

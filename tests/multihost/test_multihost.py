@@ -462,6 +462,32 @@ def test_a_job_that_finds_nothing_ends_cleanly(hosts):
         assert [r["step"] for r in reports] == [None] * 4, summary(reports)
 
 
+def test_when_no_step_restores_every_process_says_why_the_newest_failed(hosts):
+    """Every chunk of every step, in every tier, has a flipped byte: each
+    process's StepNotFoundError names the newest step's cause on every
+    process (before, only the steps tried)."""
+    train(hosts, steps=4)
+    flipped = 0
+    for top in (hosts["base"], hosts["dir"]):
+        for d, _, names in os.walk(top):
+            for n in names:
+                if not n.endswith(".json"):
+                    with open(os.path.join(d, n), "r+b") as f:
+                        size = f.seek(0, 2)
+                        if size:
+                            f.seek(size // 2)
+                            b = f.read(1)
+                            f.seek(size // 2)
+                            f.write(bytes([b[0] ^ 0xFF]))
+                            flipped += 1
+    assert flipped
+    res = run_job(RESTORE, 2, 4, common(hosts), timeout_s=JOB_S)
+    for r in res:
+        e = (r.last("error") or {}).get("error", "")
+        assert "StepNotFoundError" in e and "tried [" in e, describe(res)
+        assert "; step 4: process 0:" in e and "process 1:" in e, e[-1500:]
+
+
 # ---------------------------------------------------------------- the harness itself
 
 def test_harness_timeout_kills_and_fails(tmp_path):
