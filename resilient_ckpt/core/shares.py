@@ -205,15 +205,15 @@ def readable(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozense
     sources: dict[str, set[str]] = collections.defaultdict(set)
     chunks: dict[tuple[int, int], dict[str, Any]] = collections.defaultdict(dict)
     # One record per chunk is kept (the lowest process's, fastest tier
-    # first), and the reader reads every source at that record's place; a
-    # copy packed elsewhere (a replica in this host's own RAM pack, where the
-    # shared tier holds writer 0's pack) is no source of it.
+    # first), and the reader reads and checks every source by it: a tier is
+    # a source only where its record is that one (a replica in this host's
+    # own RAM pack, where the shared tier holds writer 0's pack, is not).
     for _, _, tier, m in copies:
         for ii, it in enumerate(m.items):
             for li, leaf in enumerate(it.leaves):
                 for c in leaf.chunks:
                     if has_copy(sizes[tier], tier, c, bad) and \
-                            _same_place(chunks[(ii, li)].setdefault(c.key, c), c):
+                            chunks[(ii, li)].setdefault(c.key, c) == c:
                         sources[c.key].add(tier)
     base = copies[0][3]
     items = tuple(ItemRecord(it.name, it.kind, tuple(
@@ -221,12 +221,6 @@ def readable(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozense
         for li, leaf in enumerate(it.leaves)), it.value) for ii, it in enumerate(base.items))
     return Choice(step, save_id, base.created, dataclasses.replace(base, items=items),
                   {k: tuple(sorted(v, key=lambda t: rank.get(t, 99))) for k, v in sources.items()})
-
-
-def _same_place(kept: ChunkRecord, c: ChunkRecord) -> bool:
-    """Whether `c` is stored where (and as) the record `kept` says."""
-    return (kept.object, kept.pack_offset, kept.stored_nbytes, kept.codec, kept.crc32c) == \
-        (c.object, c.pack_offset, c.stored_nbytes, c.codec, c.crc32c)
 
 
 def whole_copy(views: Sequence[TierStep], tier_order: Sequence[str], bad: frozenset,
